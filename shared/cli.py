@@ -1,0 +1,59 @@
+"""Command-line plumbing shared by both services: common flags, logging, and serving."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+from starlette.types import ASGIApp
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def service_parser(prog: str, description: str, default_port: int) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (no authentication: keep it on a trusted network)")
+    parser.add_argument("--port", type=_port, default=default_port, help="TCP port to listen on")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="minimum level of log lines")
+    parser.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    return parser
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
+    return port
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def serve(app: ASGIApp, args: argparse.Namespace) -> None:
+    """Run until SIGINT/SIGTERM; uvicorn stops accepting and drains in-flight requests first."""
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,  # keep the root logger configured by configure_logging
+        log_level=args.log_level,
+        access_log=args.access_log,
+        server_header=False,
+        timeout_graceful_shutdown=10,
+    )

@@ -1,0 +1,133 @@
+"""Typed readers for decoded JSON request bodies.
+
+Each reader either returns a value of the promised Python type or raises `InvalidShape` (422)
+naming the field, so handlers never see a bool where an int belongs, a float, or a null.
+Unknown fields are ignored, as Dynamo's serde-based services do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from .errors import InvalidArgument, InvalidShape
+
+U32_MAX: Final = 2**32 - 1
+U64_MAX: Final = 2**64 - 1
+I64_MIN: Final = -(2**63)
+I64_MAX: Final = 2**63 - 1
+
+_MISSING: Final = object()
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return "floating point number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def expect_object(body: Any, what: str) -> dict[str, Any]:
+    if type(body) is not dict:
+        raise InvalidShape(f"invalid type: {_describe(body)}, expected a JSON object ({what})")
+    return body
+
+
+def string(body: dict[str, Any], name: str, default: Any = _MISSING) -> str:
+    value = body.get(name, _MISSING)
+    if value is _MISSING:
+        if default is _MISSING:
+            raise InvalidShape(f"missing field `{name}`")
+        return default  # type: ignore[no-any-return]
+    if type(value) is not str:
+        raise InvalidShape(f"{name}: invalid type: {_describe(value)}, expected a string")
+    return value
+
+
+def optional_string(body: dict[str, Any], name: str) -> str | None:
+    """A string that may also be absent or null (fields Dynamo declares as Option<String>)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not str:
+        raise InvalidShape(f"{name}: invalid type: {_describe(value)}, expected a string")
+    return value
+
+
+def _bounded_int(body: dict[str, Any], name: str, low: int, high: int, kind: str, default: Any) -> int:
+    value = body.get(name, _MISSING)
+    if value is _MISSING:
+        if default is _MISSING:
+            raise InvalidShape(f"missing field `{name}`")
+        return default  # type: ignore[no-any-return]
+    if type(value) is not int:
+        raise InvalidShape(f"{name}: invalid type: {_describe(value)}, expected {kind}")
+    if not low <= value <= high:
+        raise InvalidShape(f"{name}: invalid value: integer `{value}`, expected {kind}")
+    return value
+
+
+def u64(body: dict[str, Any], name: str, default: Any = _MISSING) -> int:
+    return _bounded_int(body, name, 0, U64_MAX, "u64", default)
+
+
+def u32(body: dict[str, Any], name: str, default: Any = _MISSING) -> int:
+    return _bounded_int(body, name, 0, U32_MAX, "u32", default)
+
+
+def i64_list(body: dict[str, Any], name: str) -> list[int]:
+    """A list of signed 64-bit integers, checked with C-level passes only (this is the hot path)."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING:
+        raise InvalidShape(f"missing field `{name}`")
+    if type(value) is not list:
+        raise InvalidShape(
+            f"{name}: invalid type: {_describe(value)}, expected an array of signed 64-bit integers"
+        )
+    if not value:
+        return value
+    if set(map(type, value)) != {int}:
+        index, bad = next((i, v) for i, v in enumerate(value) if type(v) is not int)
+        raise InvalidShape(f"{name}[{index}]: invalid type: {_describe(bad)}, expected i64")
+    if min(value) < I64_MIN or max(value) > I64_MAX:
+        index, bad = next((i, v) for i, v in enumerate(value) if not I64_MIN <= v <= I64_MAX)
+        raise InvalidShape(f"{name}[{index}]: invalid value: integer `{bad}`, expected i64")
+    return value
+
+
+def tenant(body: dict[str, Any]) -> str:
+    """The partition's tenant: `tenant_id`, or its input alias `routing_group`; default "default"."""
+    tenant_id = body.get("tenant_id", _MISSING)
+    routing_group = body.get("routing_group", _MISSING)
+    if tenant_id is not _MISSING and type(tenant_id) is not str:
+        raise InvalidShape(f"tenant_id: invalid type: {_describe(tenant_id)}, expected a string")
+    if routing_group is not _MISSING and type(routing_group) is not str:
+        raise InvalidShape(
+            f"routing_group: invalid type: {_describe(routing_group)}, expected a string"
+        )
+    return resolve_tenant(
+        None if tenant_id is _MISSING else tenant_id,
+        None if routing_group is _MISSING else routing_group,
+    )
+
+
+def resolve_tenant(tenant_id: str | None, routing_group: str | None) -> str:
+    if tenant_id is not None and routing_group is not None and tenant_id != routing_group:
+        raise InvalidArgument(
+            f"tenant_id {tenant_id!r} and its alias routing_group {routing_group!r} differ; send one"
+        )
+    if tenant_id is not None:
+        return tenant_id
+    if routing_group is not None:
+        return routing_group
+    return "default"
