@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from itertools import repeat
+from itertools import groupby, repeat
 from dataclasses import dataclass, field
 
 from sortedcontainers import SortedDict
@@ -90,7 +90,7 @@ class Tracker:
         return bit
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkerInfo:
     worker_id: int
     model_name: str
@@ -100,7 +100,7 @@ class WorkerInfo:
     dp_size: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RankLoad:
     model_name: str
     tenant_id: str
@@ -110,7 +110,7 @@ class RankLoad:
     active_decode_blocks: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PotentialLoad:
     worker_id: int
     dp_rank: int
@@ -371,18 +371,9 @@ def _held_counts(holders: dict[int, int], sequence_hashes: Iterable[int]) -> dic
     ranks), so masks are credited once per run rather than once per hash.
     """
     held: dict[int, int] = {}
-    run_mask = 0
-    run_length = 0
-    for mask in map(holders.get, sequence_hashes, repeat(0)):
-        if mask == run_mask:
-            run_length += 1
-            continue
-        if run_mask:
-            _credit(held, run_mask, run_length)
-        run_mask = mask
-        run_length = 1
-    if run_mask:
-        _credit(held, run_mask, run_length)
+    for mask, run in groupby(map(holders.get, sequence_hashes, repeat(0))):
+        if mask:
+            _credit(held, mask, len(list(run)))
     return held
 
 

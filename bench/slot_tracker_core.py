@@ -1,0 +1,71 @@
+"""Cost of the slot tracker's hot paths in the pure core (no HTTP), by active-request count.
+
+    python -m bench.slot_tracker_core
+
+Prints microseconds per call for /potential_loads, /add + /free and /loads at 16 and 256
+ranks with 10, 1k and 10k active requests. The numbers should stay flat along each row.
+"""
+
+from __future__ import annotations
+
+import random
+import timeit
+
+from dynamo_lite.slot_tracker.core import SlotTracker
+
+PREFIX_POOL = 32
+
+
+def chained_request(rng: random.Random, length: int, prefixes: list[list[int]]) -> list[int]:
+    """Half of the requests start with a shared 128-block prefix, like a system prompt."""
+    if rng.random() < 0.5:
+        prefix = rng.choice(prefixes)
+        return prefix + [rng.getrandbits(63) for _ in range(length - len(prefix))]
+    return [rng.getrandbits(63) for _ in range(length)]
+
+
+def build(ranks: int, active: int, rng: random.Random) -> tuple[SlotTracker, list[list[int]]]:
+    tracker = SlotTracker()
+    workers = ranks // 2
+    for worker in range(workers):
+        tracker.register(worker, "bench", "default", 16, 0, 2)
+    prefixes = [[rng.getrandbits(63) for _ in range(128)] for _ in range(PREFIX_POOL)]
+    for i in range(active):
+        slot = i % ranks
+        tracker.add("bench", "default", f"seed-{i}", slot // 2, slot % 2, chained_request(rng, 256, prefixes), 16 * 256)
+    return tracker, prefixes
+
+
+def measure(ranks: int, active: int) -> dict[str, float]:
+    rng = random.Random(7)
+    tracker, prefixes = build(ranks, active, rng)
+    query = chained_request(rng, 512, prefixes)
+    request = chained_request(rng, 256, prefixes)
+    counter = iter(range(10**9))
+
+    def lifecycle() -> None:
+        request_id = f"bench-{next(counter)}"
+        tracker.add("bench", "default", request_id, 0, 0, request, 4096)
+        tracker.prefill_complete("bench", "default", request_id)
+        tracker.free("bench", "default", request_id)
+
+    def best(fn, number: int) -> float:
+        return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+
+    return {
+        "potential_loads(512)": best(lambda: tracker.potential_loads("bench", "default", query, 8192), 200),
+        "add+prefill+free(256)": best(lifecycle, 200),
+        "loads": best(lambda: tracker.loads("bench"), 200),
+    }
+
+
+def main() -> None:
+    print(f"{'ranks':>5} {'active':>7} " + " ".join(f"{name:>22}" for name in measure(16, 0)))
+    for ranks in (16, 256):
+        for active in (10, 1_000, 10_000):
+            row = measure(ranks, active)
+            print(f"{ranks:>5} {active:>7} " + " ".join(f"{value:>19.1f} us" for value in row.values()))
+
+
+if __name__ == "__main__":
+    main()
