@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -45,8 +47,18 @@ def configure_logging(level: str) -> None:
     )
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    sys.exit(0)
+
+
 def serve(app: ASGIApp, args: argparse.Namespace) -> None:
-    """Run until SIGINT/SIGTERM; uvicorn stops accepting and drains in-flight requests first."""
+    """Run until SIGINT/SIGTERM; uvicorn stops accepting and drains in-flight requests first.
+
+    After its graceful shutdown uvicorn re-raises the signal it caught, to the handlers that
+    were in place before it started: these make that a normal exit with status 0.
+    """
+    signal.signal(signal.SIGINT, _exit_cleanly)
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(
         app,
         host=args.host,

@@ -1,0 +1,73 @@
+"""The slot tracker as a process: --help, flags, serving, and a clean exit on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+COMMAND = [sys.executable, "-m", "dynamo_lite.slot_tracker"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(base_url: str, process: subprocess.Popen, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            if httpx.get(f"{base_url}/health", timeout=0.5).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise AssertionError("service did not become healthy")
+
+
+def test_help_lists_every_flag() -> None:
+    result = subprocess.run([*COMMAND, "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    for flag in ("--host", "--port", "--log-level", "--request-ttl-secs", "--access-log"):
+        assert flag in result.stdout
+    assert "8091" in result.stdout
+
+
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--request-ttl-secs", "0"], ["--log-level", "loud"]])
+def test_bad_flags_exit_with_usage(argv: list[str]) -> None:
+    result = subprocess.run([*COMMAND, *argv], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "usage:" in result.stderr
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_serves_then_stops_cleanly(stop_signal: signal.Signals) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [*COMMAND, "--host", "127.0.0.1", "--port", str(port), "--request-ttl-secs", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, process)
+        body = {"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}
+        assert httpx.post(f"{base_url}/register", json=body).status_code == 201
+        add = {"model_name": "m", "request_id": "r", "worker_id": 1, "dp_rank": 0,
+               "sequence_hashes": [1, 2], "new_isl_tokens": 5}
+        assert httpx.post(f"{base_url}/add", json=add).status_code == 201
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{base_url}/loads").json()[0]["active_decode_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.1)  # the background sweep frees the request once its TTL has passed
+        assert httpx.get(f"{base_url}/loads").json()[0]["active_decode_blocks"] == 0
+    finally:
+        process.send_signal(stop_signal)
+        output, _ = process.communicate(timeout=20)
+    assert process.returncode == 0, output
+    assert "expired 1 stale requests" in output
