@@ -1,0 +1,373 @@
+"""httpx clients for both services: one method per route, typed results, one error type.
+
+`AsyncSlotTrackerClient` / `AsyncIndexerClient` are the clients a gateway uses on its event
+loop; `SlotTrackerClient` / `IndexerClient` are thin synchronous wrappers for scripts and
+tests. All share one `httpx.AsyncClient` per instance (connection pooling, keep-alive) and a
+timeout per call; a non-2xx answer raises `ServiceCallError` with the status and the service's
+`{"error": ...}` message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import httpx
+import orjson
+
+DEFAULT_TIMEOUT_SECS = 5.0
+DEFAULT_TENANT = "default"
+
+T = TypeVar("T")
+
+
+class ServiceCallError(Exception):
+    """A call the service answered with an error status, or could not be made at all."""
+
+    def __init__(self, status: int, message: str, *, method: str = "", path: str = "") -> None:
+        super().__init__(f"{method} {path} -> {status}: {message}" if method else f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.method = method
+        self.path = path
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: int
+    model_name: str
+    tenant_id: str
+    block_size: int
+    dp_start: int
+    dp_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    model_name: str
+    tenant_id: str
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PotentialLoad:
+    worker_id: int
+    dp_rank: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapScores:
+    """The indexer's answer: matched tokens per (instance_id, dp_rank) on the device tier,
+    plus the per-instance tier breakdown exactly as the service sends it."""
+
+    scores: dict[tuple[int, int], int]
+    instances: dict[int, dict[str, Any]]
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> OverlapScores:
+        scores = {
+            (int(instance), int(rank)): tokens
+            for instance, ranks in body["scores"].items()
+            for rank, tokens in ranks.items()
+        }
+        instances = {int(instance): detail for instance, detail in body.get("instances", {}).items()}
+        return cls(scores, instances)
+
+
+class _Transport:
+    """One pooled connection set to one service."""
+
+    def __init__(self, base_url: str, timeout: float, client: httpx.AsyncClient | None) -> None:
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(
+            base_url=base_url,
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        )
+
+    async def call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None) -> Any:
+        content = None if body is None else orjson.dumps(body)
+        headers = {"content-type": "application/json"} if content is not None else None
+        try:
+            response = await self._client.request(method, path, content=content, headers=headers, params=params)
+        except httpx.TransportError as exc:
+            raise ServiceCallError(0, f"{type(exc).__name__}: {exc}", method=method, path=path) from exc
+        if response.status_code >= 400:
+            try:
+                message = orjson.loads(response.content)["error"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                message = response.text or response.reason_phrase
+            raise ServiceCallError(response.status_code, message, method=method, path=path)
+        return orjson.loads(response.content) if response.content else None
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+
+def _filters(model_name: str | None, tenant_id: str | None) -> dict[str, str]:
+    params = {}
+    if model_name is not None:
+        params["model_name"] = model_name
+    if tenant_id is not None:
+        params["tenant_id"] = tenant_id
+    return params
+
+
+class AsyncSlotTrackerClient:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8091",
+        *,
+        timeout: float = DEFAULT_TIMEOUT_SECS,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._transport = _Transport(base_url, timeout, client)
+
+    async def __aenter__(self) -> AsyncSlotTrackerClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    async def health(self) -> None:
+        await self._transport.call("GET", "/health")
+
+    async def register(
+        self,
+        worker_id: int,
+        model_name: str,
+        block_size: int,
+        *,
+        dp_start: int = 0,
+        dp_size: int = 1,
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> None:
+        await self._transport.call("POST", "/register", {
+            "worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id,
+            "block_size": block_size, "dp_start": dp_start, "dp_size": dp_size,
+        })
+
+    async def unregister(self, worker_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        await self._transport.call(
+            "POST", "/unregister", {"worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id}
+        )
+
+    async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
+        items = await self._transport.call("GET", "/workers", params=_filters(model_name, tenant_id))
+        return [WorkerInfo(**item) for item in items]
+
+    async def add(
+        self,
+        model_name: str,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        sequence_hashes: Sequence[int],
+        new_isl_tokens: int = 0,
+        *,
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> None:
+        await self._transport.call("POST", "/add", {
+            "model_name": model_name, "tenant_id": tenant_id, "request_id": request_id,
+            "worker_id": worker_id, "dp_rank": dp_rank, "sequence_hashes": list(sequence_hashes),
+            "new_isl_tokens": new_isl_tokens,
+        })
+
+    async def prefill_complete(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        await self._transport.call(
+            "POST", "/prefill_complete", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
+        )
+
+    async def free(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        await self._transport.call(
+            "POST", "/free", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
+        )
+
+    async def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[RankLoad]:
+        items = await self._transport.call("GET", "/loads", params=_filters(model_name, tenant_id))
+        return [RankLoad(**item) for item in items]
+
+    async def potential_loads(
+        self,
+        model_name: str,
+        sequence_hashes: Sequence[int],
+        new_isl_tokens: int = 0,
+        *,
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> list[PotentialLoad]:
+        items = await self._transport.call("POST", "/potential_loads", {
+            "model_name": model_name, "tenant_id": tenant_id,
+            "sequence_hashes": list(sequence_hashes), "new_isl_tokens": new_isl_tokens,
+        })
+        return [PotentialLoad(**item) for item in items]
+
+
+class AsyncIndexerClient:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8090",
+        *,
+        timeout: float = DEFAULT_TIMEOUT_SECS,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._transport = _Transport(base_url, timeout, client)
+
+    async def __aenter__(self) -> AsyncIndexerClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    async def health(self) -> None:
+        await self._transport.call("GET", "/health")
+
+    async def register(
+        self,
+        instance_id: int,
+        model_name: str,
+        block_size: int,
+        *,
+        dp_rank: int = 0,
+        tenant_id: str = DEFAULT_TENANT,
+        endpoint: str | None = None,
+    ) -> None:
+        body: dict[str, Any] = {
+            "instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id,
+            "block_size": block_size, "dp_rank": dp_rank,
+        }
+        if endpoint is not None:
+            body["endpoint"] = endpoint
+        await self._transport.call("POST", "/register", body)
+
+    async def unregister(
+        self, instance_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT, dp_rank: int | None = None
+    ) -> None:
+        body: dict[str, Any] = {"instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id}
+        if dp_rank is not None:
+            body["dp_rank"] = dp_rank
+        await self._transport.call("POST", "/unregister", body)
+
+    async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        return await self._transport.call("GET", "/workers", params=_filters(model_name, tenant_id))  # type: ignore[no-any-return]
+
+    async def events(self, document: dict[str, Any]) -> dict[str, Any]:
+        """Post a `/dump`-shaped document of RouterEvents; returns the ingest report."""
+        return await self._transport.call("POST", "/events", document)  # type: ignore[no-any-return]
+
+    async def query_by_hash(
+        self, model_name: str, block_hashes: Sequence[int], *, tenant_id: str = DEFAULT_TENANT
+    ) -> OverlapScores:
+        body = await self._transport.call("POST", "/query_by_hash", {
+            "model_name": model_name, "tenant_id": tenant_id, "block_hashes": list(block_hashes),
+        })
+        return OverlapScores.from_json(body)
+
+    async def query(
+        self,
+        model_name: str,
+        token_ids: Sequence[int],
+        *,
+        tenant_id: str = DEFAULT_TENANT,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> OverlapScores:
+        body: dict[str, Any] = {"model_name": model_name, "tenant_id": tenant_id, "token_ids": list(token_ids)}
+        if lora_name is not None:
+            body["lora_name"] = lora_name
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return OverlapScores.from_json(await self._transport.call("POST", "/query", body))
+
+    async def dump(self) -> dict[str, Any]:
+        return await self._transport.call("GET", "/dump")  # type: ignore[no-any-return]
+
+    async def peers(self) -> list[str]:
+        return await self._transport.call("GET", "/peers")  # type: ignore[no-any-return]
+
+    async def register_peer(self, url: str) -> None:
+        await self._transport.call("POST", "/register_peer", {"url": url})
+
+    async def deregister_peer(self, url: str) -> None:
+        await self._transport.call("POST", "/deregister_peer", {"url": url})
+
+
+A = TypeVar("A", AsyncSlotTrackerClient, AsyncIndexerClient)
+
+
+class _Blocking(Generic[A]):
+    """Runs an async client's coroutines to completion on a private event loop.
+
+    Attribute access forwards to the async client, so the sync clients have exactly the same
+    methods and signatures, returning values instead of awaitables. Not for use inside a running
+    event loop (use the async client there).
+    """
+
+    def __init__(self, async_client: A) -> None:
+        self._async = async_client
+        self._loop = asyncio.new_event_loop()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._async, name)
+        if not callable(method) or name.startswith("_"):
+            raise AttributeError(name)
+
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            return self._run(method(*args, **kwargs))
+
+        return blocking
+
+    def _run(self, coroutine: Awaitable[T]) -> T:
+        return self._loop.run_until_complete(coroutine)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._run(self._async.aclose())
+            self._loop.close()
+
+    def __enter__(self) -> _Blocking[A]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class SlotTrackerClient(_Blocking[AsyncSlotTrackerClient]):
+    """Synchronous slot tracker client: `SlotTrackerClient(url).loads()`."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8091", *, timeout: float = DEFAULT_TIMEOUT_SECS) -> None:
+        super().__init__(AsyncSlotTrackerClient(base_url, timeout=timeout))
+
+
+class IndexerClient(_Blocking[AsyncIndexerClient]):
+    """Synchronous indexer client: `IndexerClient(url).query_by_hash(model, hashes)`."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8090", *, timeout: float = DEFAULT_TIMEOUT_SECS) -> None:
+        super().__init__(AsyncIndexerClient(base_url, timeout=timeout))
+
+
+__all__ = [
+    "AsyncIndexerClient",
+    "AsyncSlotTrackerClient",
+    "IndexerClient",
+    "OverlapScores",
+    "PotentialLoad",
+    "RankLoad",
+    "ServiceCallError",
+    "SlotTrackerClient",
+    "WorkerInfo",
+]

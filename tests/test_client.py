@@ -1,0 +1,52 @@
+"""The httpx clients against the in-process apps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from dynamo_lite.client import (
+    AsyncSlotTrackerClient,
+    PotentialLoad,
+    RankLoad,
+    ServiceCallError,
+    SlotTrackerClient,
+    WorkerInfo,
+)
+from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
+
+
+def in_process(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://service")
+
+
+def test_async_slot_tracker_client_round_trip() -> None:
+    async def scenario() -> None:
+        async with AsyncSlotTrackerClient(client=in_process(create_slot_tracker())) as client:
+            await client.health()
+            await client.register(7, "m", 16, dp_size=2, tenant_id="t")
+            assert await client.workers() == [WorkerInfo(7, "m", "t", 16, 0, 2)]
+            await client.add("m", "r1", 7, 1, [1, 2, 3], 48, tenant_id="t")
+            assert await client.loads(tenant_id="t") == [
+                RankLoad("m", "t", 7, 0, 0, 0), RankLoad("m", "t", 7, 1, 48, 3)]
+            projected = await client.potential_loads("m", [1, 2, 9], 10, tenant_id="t")
+            assert sorted(projected, key=lambda p: p.dp_rank) == [
+                PotentialLoad(7, 0, 10, 3, 0), PotentialLoad(7, 1, 58, 4, 1)]
+            await client.prefill_complete("m", "r1", tenant_id="t")
+            await client.free("m", "r1", tenant_id="t")
+            with pytest.raises(ServiceCallError) as failure:
+                await client.add("m", "r2", 7, 5, [], tenant_id="t")
+            assert failure.value.status == 404
+            assert "dp_rank: 5" in failure.value.message
+            await client.unregister(7, "m", tenant_id="t")
+            assert await client.loads() == []
+
+    asyncio.run(scenario())
+
+
+def test_transport_failures_are_service_call_errors() -> None:
+    with SlotTrackerClient("http://127.0.0.1:9", timeout=0.5) as client, pytest.raises(ServiceCallError) as failure:
+        client.loads()
+    assert failure.value.status == 0
