@@ -106,6 +106,24 @@ def i64_list(body: dict[str, Any], name: str) -> list[int]:
     return value
 
 
+def u32_list(body: dict[str, Any], name: str) -> list[int]:
+    """A list of u32 values (token ids), checked with C-level passes only."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING:
+        raise InvalidShape(f"missing field `{name}`")
+    if type(value) is not list:
+        raise InvalidShape(f"{name}: invalid type: {_describe(value)}, expected an array of u32")
+    if not value:
+        return value
+    if set(map(type, value)) != {int}:
+        index, bad = next((i, v) for i, v in enumerate(value) if type(v) is not int)
+        raise InvalidShape(f"{name}[{index}]: invalid type: {_describe(bad)}, expected u32")
+    if min(value) < 0 or max(value) > U32_MAX:
+        index, bad = next((i, v) for i, v in enumerate(value) if not 0 <= v <= U32_MAX)
+        raise InvalidShape(f"{name}[{index}]: invalid value: integer `{bad}`, expected u32")
+    return value
+
+
 def tenant(body: dict[str, Any]) -> str:
     """The partition's tenant: `tenant_id`, or its input alias `routing_group`; default "default"."""
     tenant_id = body.get("tenant_id", _MISSING)

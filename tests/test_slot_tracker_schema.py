@@ -3,16 +3,12 @@ response (status, content type, body) is one the document allows."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import schemathesis
 from hypothesis import HealthCheck, settings
-from starlette.routing import Route
+from schema_support import documented_routes, load, served_routes
 
 from dynamo_lite.slot_tracker.app import create_app
 from dynamo_lite.slot_tracker.core import SlotTracker
-
-SPEC = Path(__file__).resolve().parents[1] / "openapi" / "slot_tracker.yaml"
 
 
 def seeded_app():
@@ -24,30 +20,7 @@ def seeded_app():
     return create_app(tracker)
 
 
-# Schema-valid requests may still be refused with 400 for what a JSON schema cannot say:
-# a DP range that overflows u32, or tenant_id and routing_group that disagree.
-CONFIG = schemathesis.config.SchemathesisConfig.from_dict(
-    {"checks": {"positive_data_acceptance": {"expected-statuses": ["2XX", 400, 404, 409]}}}
-)
-schema = schemathesis.openapi.from_path(SPEC, config=CONFIG)
-schema.app = seeded_app()
-
-
-def _has_integral_float(value: object) -> bool:
-    if isinstance(value, float):
-        return value.is_integer()
-    if isinstance(value, dict):
-        return any(map(_has_integral_float, value.values()))
-    if isinstance(value, list):
-        return any(map(_has_integral_float, value))
-    return False
-
-
-@schema.hook
-def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
-    """JSON Schema calls 404.0 an integer; the service, like Dynamo's serde, answers 422 to any
-    number written with a fraction or exponent. Such bodies are tested in the HTTP tests."""
-    return not _has_integral_float(body)
+schema = load("slot_tracker.yaml", seeded_app())
 
 
 @schema.parametrize()
@@ -57,7 +30,4 @@ def test_app_conforms_to_its_openapi_document(case: schemathesis.Case) -> None:
 
 
 def test_document_lists_exactly_the_app_routes() -> None:
-    app = create_app()
-    served = {route.path: set(route.methods or ()) - {"HEAD"} for route in app.routes if isinstance(route, Route)}
-    documented = {path: {method.upper() for method in item} for path, item in schema.raw_schema["paths"].items()}
-    assert served == documented
+    assert served_routes(create_app()) == documented_routes(schema)

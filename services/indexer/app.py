@@ -1,0 +1,157 @@
+"""HTTP shell of the indexer: parse and validate, call `Indexer`, serialise.
+
+The query routes answer exactly as Dynamo 1.6.1's indexer does; `/events` takes the very
+document `/dump` produces, so two indexers (ours or Dynamo's) can recover from each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+
+from dynamo_lite import http, validation
+from dynamo_lite.errors import InvalidArgument
+from dynamo_lite.http import HandlerResult, QueryParams
+from dynamo_lite.validation import expect_object
+
+from .peers import PeerList, recover
+from .protocols import parse_events_document
+from .state import Indexer
+
+logger = logging.getLogger("dynamo_lite.indexer")
+
+OPENAPI_PATH = Path(__file__).with_name("openapi.yaml")
+LARGE_BODY = 8 * 1024 * 1024  # /events and /query carry whole prompts or event batches
+
+OK = {"status": "ok"}
+_FILTERS = frozenset({"model_name", "tenant_id", "routing_group"})
+
+
+class IndexerRoutes:
+    """One method per route; each returns (status, JSON-serialisable payload)."""
+
+    def __init__(self, indexer: Indexer, peers: PeerList) -> None:
+        self.indexer = indexer
+        self.peers = peers
+
+    def register(self, body: Any) -> HandlerResult:
+        body = expect_object(body, "RegisterRequest")
+        self.indexer.register(
+            validation.u64(body, "instance_id"),
+            validation.string(body, "model_name"),
+            validation.tenant(body),
+            validation.u32(body, "block_size"),
+            validation.u32(body, "dp_rank", 0),
+            validation.optional_string(body, "endpoint"),
+        )
+        return 201, OK
+
+    def unregister(self, body: Any) -> HandlerResult:
+        body = expect_object(body, "UnregisterRequest")
+        dp_rank = None if body.get("dp_rank") is None else validation.u32(body, "dp_rank")
+        self.indexer.unregister(
+            validation.u64(body, "instance_id"),
+            validation.string(body, "model_name"),
+            validation.tenant(body),
+            dp_rank,
+        )
+        return 200, OK
+
+    def workers(self, params: QueryParams) -> HandlerResult:
+        tenant = None
+        if "tenant_id" in params or "routing_group" in params:
+            tenant = validation.resolve_tenant(params.get("tenant_id"), params.get("routing_group"))
+        return 200, self.indexer.workers(params.get("model_name"), tenant)
+
+    def events(self, body: Any) -> HandlerResult:
+        return 200, self.indexer.apply_events(parse_events_document(body))
+
+    def query_by_hash(self, body: Any) -> HandlerResult:
+        body = expect_object(body, "QueryByHashRequest")
+        if body.get("cache_salt") is not None:
+            raise InvalidArgument(
+                "cache_salt is not accepted by /query_by_hash; block_hashes must already include "
+                "the intended cache salt"
+            )
+        return 200, self.indexer.query(
+            validation.string(body, "model_name"),
+            validation.tenant(body),
+            validation.i64_list(body, "block_hashes"),
+        )
+
+    def query(self, body: Any) -> HandlerResult:
+        body = expect_object(body, "QueryRequest")
+        return 200, self.indexer.query_tokens(
+            validation.string(body, "model_name"),
+            validation.tenant(body),
+            validation.u32_list(body, "token_ids"),
+            lora_name=validation.optional_string(body, "lora_name"),
+            cache_salt=validation.optional_string(body, "cache_salt"),
+        )
+
+    def dump(self, params: QueryParams) -> HandlerResult:
+        return 200, self.indexer.dump()
+
+    def list_peers(self, params: QueryParams) -> HandlerResult:
+        return 200, self.peers.urls()
+
+    def register_peer(self, body: Any) -> HandlerResult:
+        self.peers.add(_peer_url(body))
+        return 201, OK
+
+    def deregister_peer(self, body: Any) -> HandlerResult:
+        self.peers.remove(_peer_url(body))
+        return 200, OK
+
+
+def _peer_url(body: Any) -> str:
+    url = validation.string(expect_object(body, "PeerRequest"), "url")
+    if not url.startswith(("http://", "https://")):
+        raise InvalidArgument(f"peer url {url!r} must start with http:// or https://")
+    return url
+
+
+def create_app(
+    indexer: Indexer | None = None,
+    *,
+    peers: list[str] | None = None,
+    recovery_deadline_secs: float = 10.0,
+) -> Starlette:
+    """The indexer app. With `peers`, start-up recovers from the first reachable one's `/dump`
+    before the server accepts connections (uvicorn opens the port after the lifespan starts)."""
+    indexer = indexer if indexer is not None else Indexer()
+    peer_list = PeerList(peers)
+    routes = IndexerRoutes(indexer, peer_list)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
+        yield
+
+    app = Starlette(
+        routes=[
+            http.health_route(),
+            http.post("/register", routes.register),
+            http.post("/unregister", routes.unregister),
+            http.get("/workers", routes.workers, parameters=_FILTERS),
+            http.post("/events", routes.events, max_body=LARGE_BODY),
+            http.post("/query_by_hash", routes.query_by_hash),
+            http.post("/query", routes.query, max_body=LARGE_BODY),
+            http.get("/dump", routes.dump),
+            http.get("/peers", routes.list_peers),
+            http.post("/register_peer", routes.register_peer),
+            http.post("/deregister_peer", routes.deregister_peer),
+            http.openapi_route(OPENAPI_PATH),
+        ],
+        exception_handlers=http.EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )
+    app.router.redirect_slashes = False
+    app.state.indexer = indexer
+    app.state.peers = peer_list
+    return app

@@ -1,0 +1,405 @@
+"""All partitions of one indexer process: workers, event-id watermarks and query answers.
+
+A partition is a (model_name, tenant_id) pair with one block size and one `PrefixTree`. It is
+created by the first registration or events document that names it and disappears with its
+last worker, so a query then gets 404 as in Dynamo. An instance id belongs to one partition;
+each of its dp ranks is a worker slot of that partition's tree.
+
+Events documents are validated whole (shape by `parse_events_document`, then block sizes and
+instance ownership here) before anything is applied, so a document is applied completely or
+not at all. Applying is per event: per (instance, dp_rank) an event-id watermark skips
+re-delivered events, reports gaps, and every event the index refuses is counted with a reason.
+
+Errors are `dynamo_lite.errors` kinds only; mapping them to HTTP is the shell's job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from dynamo_lite.errors import Conflict, InvalidArgument, InvalidShape, NotFound
+from dynamo_lite.hashing import local_block_hashes
+from dynamo_lite.indexer.protocols import (
+    LOWER_TIERS,
+    PartitionEvents,
+    Removed,
+    Stored,
+    events_document,
+    parse_events_document,
+)
+from dynamo_lite.indexer.tree import PrefixTree, StoreStatus, WorkerKey
+
+PartitionId = tuple[str, str]  # (model_name, tenant_id)
+Source = Literal["register", "events"]
+
+MAX_LISTED: Final = 100  # rejections / gaps itemised in one report; the counts stay exact
+
+
+@dataclass(slots=True)
+class Rank:
+    source: Source
+    endpoint: str | None = None
+    last_event_id: int | None = None
+
+
+@dataclass(slots=True)
+class Partition:
+    model_name: str
+    tenant_id: str
+    block_size: int
+    tree: PrefixTree = field(default_factory=PrefixTree)
+    ranks: dict[WorkerKey, Rank] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return f"model={self.model_name} tenant_id={self.tenant_id}"
+
+
+@dataclass(slots=True)
+class RankInfo:
+    dp_rank: int
+    source: Source
+    endpoint: str | None
+    blocks: int  # device-tier blocks held (including any held below a removed block)
+    lower_tier_blocks: int  # host_pinned + disk + external
+    last_event_id: int | None
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    instance_id: int
+    model_name: str
+    tenant_id: str
+    block_size: int
+    ranks: list[RankInfo]
+
+
+@dataclass(slots=True)
+class Rejection:
+    partition: str
+    index: int  # position of the event in its partition's events array
+    reason: str
+
+
+@dataclass(slots=True)
+class Gap:
+    worker_id: int
+    dp_rank: int
+    expected: int
+    got: int
+
+
+@dataclass(slots=True)
+class ApplyReport:
+    """What an events document did. `applied + skipped + rejected` = events in the document."""
+
+    applied: int = 0
+    skipped: int = 0  # event_id at or below the worker's watermark: a re-delivery
+    rejected: int = 0
+    unknown_removals: int = 0  # removed block hashes the worker did not hold
+    gap_count: int = 0
+    rejections: list[Rejection] = field(default_factory=list)  # the first MAX_LISTED
+    gaps: list[Gap] = field(default_factory=list)  # the first MAX_LISTED
+
+
+class Indexer:
+    """Every partition of the process. Not thread-safe: call it from one thread."""
+
+    def __init__(self) -> None:
+        self.partitions: dict[PartitionId, Partition] = {}
+        self._owner: dict[int, Partition] = {}  # instance id -> its partition
+
+    # --- workers ------------------------------------------------------------------------------
+
+    def register(
+        self,
+        instance_id: int,
+        model_name: str,
+        tenant_id: str,
+        block_size: int,
+        dp_rank: int = 0,
+        endpoint: str | None = None,
+    ) -> None:
+        """Add one (instance, dp_rank). A rank first seen in events becomes registered."""
+        _check_partition_name(tenant_id)
+        owner = self._owner.get(instance_id)
+        if owner is not None and (owner.model_name, owner.tenant_id) != (model_name, tenant_id):
+            raise Conflict(f"instance {instance_id} is already registered for {owner.describe()}")
+        partition = self._partition_for(model_name, tenant_id, block_size)
+        key = (instance_id, dp_rank)
+        rank = partition.ranks.get(key)
+        if rank is not None and rank.source == "register":
+            raise Conflict(f"instance {instance_id} dp_rank {dp_rank} already registered")
+        if rank is None:
+            partition.ranks[key] = Rank("register", endpoint)
+            partition.tree.add_worker(key)
+        else:
+            rank.source = "register"
+            rank.endpoint = endpoint
+        self.partitions[(model_name, tenant_id)] = partition
+        self._owner[instance_id] = partition
+
+    def unregister(self, instance_id: int, model_name: str, tenant_id: str, dp_rank: int | None = None) -> None:
+        """Drop one rank (or all ranks, `dp_rank` None) with all their blocks, on every tier."""
+        owner = self._owner.get(instance_id)
+        if owner is None:
+            raise NotFound(f"instance {instance_id} not found")
+        if (owner.model_name, owner.tenant_id) != (model_name, tenant_id):
+            raise NotFound(f"instance {instance_id} is registered for {owner.describe()}")
+        doomed = [key for key in owner.ranks if key[0] == instance_id and (dp_rank is None or key[1] == dp_rank)]
+        if not doomed:
+            raise NotFound(f"instance {instance_id} dp_rank {dp_rank} not found")
+        for key in doomed:
+            del owner.ranks[key]
+            owner.tree.drop_worker(key)
+        if not any(key[0] == instance_id for key in owner.ranks):
+            del self._owner[instance_id]
+        if not owner.ranks:
+            del self.partitions[(model_name, tenant_id)]
+
+    def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
+        """Instances sorted by (model_name, tenant_id, instance_id), ranks by dp_rank."""
+        result: list[WorkerInfo] = []
+        for partition in self._matching(model_name, tenant_id):
+            tree = partition.tree
+            instances: dict[int, list[RankInfo]] = {}
+            for key in sorted(partition.ranks):
+                rank = partition.ranks[key]
+                instances.setdefault(key[0], []).append(
+                    RankInfo(
+                        key[1],
+                        rank.source,
+                        rank.endpoint,
+                        tree.block_count(key),
+                        sum(tree.block_count(key, tier) for tier in LOWER_TIERS),
+                        rank.last_event_id,
+                    )
+                )
+            result.extend(
+                WorkerInfo(instance_id, partition.model_name, partition.tenant_id, partition.block_size, ranks)
+                for instance_id, ranks in instances.items()
+            )
+        return result
+
+    def block_size(self, model_name: str, tenant_id: str) -> int:
+        return self._existing(model_name, tenant_id).block_size
+
+    # --- events -------------------------------------------------------------------------------
+
+    def apply_events(self, document: Sequence[PartitionEvents]) -> ApplyReport:
+        """Apply a parsed events document, all of it or (on an error) none of it.
+
+        Unknown (instance, dp_rank)s are registered implicitly with source "events".
+        Per rank, an event_id at or below the last one applied is skipped as a re-delivery; a
+        jump past last+1 (or a first event_id other than 0) is applied and reported as a gap.
+        """
+        self._validate(document)
+        return self._apply(document, watermarks=True)
+
+    def load_dump(self, document: Any) -> ApplyReport:
+        """Merge a `/dump` document (e.g. a peer's) into this index, creating its partitions
+        and workers. Dumps renumber event ids per tier section, so watermarks are neither
+        checked nor moved: the next live event of each worker starts a fresh sequence."""
+        parsed = parse_events_document(document)
+        self._validate(parsed)
+        return self._apply(parsed, watermarks=False)
+
+    def _validate(self, document: Sequence[PartitionEvents]) -> None:
+        sizes: dict[PartitionId, int] = {}
+        claimed: dict[int, PartitionId] = {}
+        for section in document:
+            pid = (section.model_name, section.tenant_id)
+            _check_partition_name(section.tenant_id)
+            existing = self.partitions.get(pid)
+            size = existing.block_size if existing is not None else sizes.get(pid)
+            if size is not None and size != section.block_size:
+                raise Conflict(
+                    f"block_size mismatch for model={pid[0]} tenant_id={pid[1]}: "
+                    f"existing={size}, requested={section.block_size}"
+                )
+            if size is None and section.events:
+                _check_block_size(section.block_size)
+                sizes[pid] = section.block_size
+            for instance_id in {event.worker_id for event in section.events}:
+                owner = self._owner.get(instance_id)
+                other = (owner.model_name, owner.tenant_id) if owner is not None else claimed.get(instance_id)
+                if other is not None and other != pid:
+                    raise Conflict(
+                        f"instance {instance_id} is already registered for model={other[0]} tenant_id={other[1]}"
+                    )
+                claimed[instance_id] = pid
+
+    def _apply(self, document: Sequence[PartitionEvents], *, watermarks: bool) -> ApplyReport:
+        report = ApplyReport()
+        for section in document:
+            if not section.events:
+                continue
+            partition = self._partition_for(section.model_name, section.tenant_id, section.block_size)
+            self.partitions[(section.model_name, section.tenant_id)] = partition
+            tree = partition.tree
+            ranks = partition.ranks
+            for index, event in enumerate(section.events):
+                key = (event.worker_id, event.dp_rank)
+                rank = ranks.get(key)
+                if rank is None:
+                    rank = ranks[key] = Rank("events")
+                    tree.add_worker(key)
+                    self._owner[event.worker_id] = partition
+                if watermarks:
+                    last = rank.last_event_id
+                    event_id = event.event_id
+                    if last is not None and event_id <= last:
+                        report.skipped += 1
+                        continue
+                    expected = 0 if last is None else last + 1
+                    if event_id != expected:
+                        report.gap_count += 1
+                        if len(report.gaps) < MAX_LISTED:
+                            report.gaps.append(Gap(key[0], key[1], expected, event_id))
+                    rank.last_event_id = event_id
+                data = event.data
+                if type(data) is Stored:
+                    status = tree.store(
+                        key, data.parent_hash, data.block_hashes, data.tokens_hashes, event.storage_tier
+                    )
+                    if status is not StoreStatus.STORED:
+                        report.rejected += 1
+                        if len(report.rejections) < MAX_LISTED:
+                            report.rejections.append(
+                                Rejection(section.key, index, _reason(status, event.worker_id, key[1], data))
+                            )
+                        continue
+                elif type(data) is Removed:
+                    report.unknown_removals += tree.remove(key, data.block_hashes, event.storage_tier)
+                else:
+                    tree.clear(key)
+                report.applied += 1
+        return report
+
+    # --- queries ------------------------------------------------------------------------------
+
+    def query(self, model_name: str, tenant_id: str, local_hashes: Sequence[int]) -> dict[str, Any]:
+        """Overlap of a prompt's local block hashes (u64, or i64 as `/query_by_hash` sends
+        them) with every worker, in Dynamo 1.6.1's response shape, all values in tokens:
+
+            {"scores": {instance: {dp_rank: device tokens}},      # zero scores left out
+             "frequencies": [],
+             "instances": {instance: {"longest_matched", "gpu", "dp": {dp_rank: tokens},
+                                      "cpu", "disk"}}}
+
+        `cpu` adds the host-pinned blocks that continue a rank's device match, `disk` adds to
+        that the disk and external ones; the instance values are maxima over its ranks.
+        """
+        partition = self._existing(model_name, tenant_id)
+        match = partition.tree.match(local_hashes)
+        block_size = partition.block_size
+        device, host, disk = match.device, match.host_pinned, match.disk
+        scores: dict[str, dict[str, int]] = {}
+        instances: dict[str, dict[str, Any]] = {}
+        if not host and not disk:
+            for (instance_id, dp_rank), blocks in sorted(device.items()):
+                tokens = blocks * block_size
+                name, rank = str(instance_id), str(dp_rank)
+                per_rank = scores.get(name)
+                if per_rank is None:
+                    scores[name] = {rank: tokens}
+                    instances[name] = {
+                        "longest_matched": tokens, "gpu": tokens, "dp": {rank: tokens}, "cpu": tokens, "disk": tokens
+                    }
+                    continue
+                per_rank[rank] = tokens
+                entry = instances[name]
+                entry["dp"][rank] = tokens
+                if tokens > entry["gpu"]:
+                    entry["longest_matched"] = entry["gpu"] = entry["cpu"] = entry["disk"] = tokens
+            return {"scores": scores, "frequencies": [], "instances": instances}
+        for (instance_id, dp_rank), blocks in sorted(device.items()):
+            scores.setdefault(str(instance_id), {})[str(dp_rank)] = blocks * block_size
+        for key in sorted(device.keys() | host.keys() | disk.keys()):
+            gpu = device.get(key, 0) * block_size
+            cpu = gpu + host.get(key, 0) * block_size
+            on_disk = cpu + disk.get(key, 0) * block_size
+            entry = instances.get(str(key[0]))
+            if entry is None:
+                entry = instances[str(key[0])] = {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
+            entry["dp"][str(key[1])] = gpu
+            entry["gpu"] = max(entry["gpu"], gpu)
+            entry["cpu"] = max(entry["cpu"], cpu)
+            entry["disk"] = max(entry["disk"], on_disk)
+            entry["longest_matched"] = max(entry["gpu"], entry["cpu"], entry["disk"])
+        return {"scores": scores, "frequencies": [], "instances": instances}
+
+    def query_tokens(
+        self,
+        model_name: str,
+        tenant_id: str,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """`query` for a prompt's token ids, hashed with the partition's block size."""
+        partition = self._existing(model_name, tenant_id)
+        try:
+            hashes = local_block_hashes(
+                token_ids, partition.block_size, lora_name=lora_name, cache_salt=cache_salt
+            )
+        except ValueError as error:
+            raise InvalidShape(str(error)) from None
+        return self.query(model_name, tenant_id, hashes)
+
+    def dump(self) -> dict[str, Any]:
+        """Every partition as `/dump` shows it: stored events that rebuild the index, device
+        tier first (parents before children), event ids renumbered from 0 per tier section."""
+        return events_document(
+            PartitionEvents(partition.model_name, partition.tenant_id, partition.block_size, partition.tree.dump())
+            for partition in self._matching(None, None)
+        )
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _existing(self, model_name: str, tenant_id: str) -> Partition:
+        partition = self.partitions.get((model_name, tenant_id))
+        if partition is None:
+            raise NotFound(f"no indexer for model={model_name} tenant_id={tenant_id}")
+        return partition
+
+    def _partition_for(self, model_name: str, tenant_id: str, block_size: int) -> Partition:
+        """The partition, or a new one (not yet stored in `partitions`) with this block size."""
+        partition = self.partitions.get((model_name, tenant_id))
+        if partition is None:
+            _check_block_size(block_size)
+            return Partition(model_name, tenant_id, block_size)
+        if partition.block_size != block_size:
+            raise Conflict(
+                f"block_size mismatch for {partition.describe()}: "
+                f"existing={partition.block_size}, requested={block_size}"
+            )
+        return partition
+
+    def _matching(self, model_name: str | None, tenant_id: str | None) -> Iterator[Partition]:
+        for pid in sorted(self.partitions):
+            if (model_name is None or pid[0] == model_name) and (tenant_id is None or pid[1] == tenant_id):
+                yield self.partitions[pid]
+
+
+def _check_partition_name(tenant_id: str) -> None:
+    # Partition keys are split at their last colon; a colon in the tenant would misread.
+    if ":" in tenant_id:
+        raise InvalidArgument(f"tenant_id {tenant_id!r} must not contain ':'")
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size == 0:
+        raise InvalidArgument("block_size must be greater than 0")
+
+
+def _reason(status: StoreStatus, worker_id: int, dp_rank: int, data: Stored) -> str:
+    who = f"worker {worker_id} dp_rank {dp_rank}"
+    if status is StoreStatus.UNKNOWN_PARENT:
+        return f"parent_hash {data.parent_hash} is not a device block of {who}"
+    if status is StoreStatus.SELF_REFERENCE:
+        return "a block_hash repeats within the event or equals its parent_hash"
+    return f"a block_hash of the event already names a different block of {who}"
+

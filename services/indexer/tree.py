@@ -1,0 +1,707 @@
+"""One partition's KV index: which (worker, dp_rank) holds which block chains, per tier.
+
+Device tier: a prefix tree keyed by local block hash
+-------------------------------------------------
+A node is one block at one position: the path from the root spells the chain of local hashes
+that leads to it, so equal content under equal prefixes shares nodes whatever external ids the
+engines gave it. Each worker slot owns one bit; a node keeps
+
+* `holders`: the bitmask of slots that hold the node AND every node above it. Masks are
+  therefore prefix-closed (a child's mask is a subset of its parent's), so a match walks the
+  query once, compares masks, and stops as soon as nobody can extend: O(matched depth).
+* `ext`: the external hash of the slot that created the node. A slot that stored the same
+  content under a different external hash (inconsistent engine hash seeds) records its own in
+  `WorkerSlot.overrides`, so every slot's external ids stay exact (the reference keeps only the
+  first writer's, its quirk Q1).
+* `child`: None, the only child Node (the common case: a chain), or a dict local hash -> Node
+  at branch points; `parent`: for pruning.
+
+Each slot maps ITS OWN external hashes to nodes (`WorkerSlot.blocks`), which is how stores
+find their parent and removals find their block.
+
+Removing a block in the middle of a slot's chain
+------------------------------------------------
+The index follows the simple model of the reference's §8.6 exactly: a slot's coverage is the
+set of chains it stored and did not remove; its score for a query is the largest k such that
+every prefix query[0..j], j <= k, is covered. A block below a removed one is still covered
+(the engine never said it dropped it) but cannot count until the gap is filled again:
+
+* removing block B clears the slot's bit in B and in every descendant that had it (walking
+  only that slot's part of the subtree), and records the descendants in `dormant`
+  (node -> mask of slots holding it below a gap);
+* re-storing B sets the bit again and promotes the dormant descendants back into `holders`;
+* a store whose parent is dormant is accepted and stays dormant, as the model says.
+
+The reference gets this wrong (quirk Q2): which deeper blocks come back depends on where its
+compressed edges happened to be split. Costs: removing a block visits its children, plus the
+slot's held subtree below it when that is not empty (zero for tail-first eviction); a
+re-store visits the dormant subtree it revives. `dormant` is empty unless an engine evicts
+mid-chain, and then costs nothing on the query path.
+
+Lower tiers (host_pinned, disk, external)
+-----------------------------------------
+As in the reference, these are not trees: each block is a transition
+(parent external hash | None, local hash) -> child external hash, owned by a mask of slots,
+and a store is accepted whatever its parent. A query continues each slot from where its
+device match stopped (or from the root when it has none) through host_pinned, then disk,
+then external, following the slot's own external hashes. If two slots name the same
+transition differently, both names are kept (`Edge` variants) and each slot follows its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional, Union
+
+from dynamo_lite.hashing import to_unsigned_list
+from dynamo_lite.indexer.protocols import (
+    DEVICE,
+    LOWER_TIERS,
+    RouterEvent,
+    StorageTier,
+    Stored,
+)
+
+WorkerKey = tuple[int, int]  # (worker_id, dp_rank)
+TransitionKey = tuple[Optional[int], int]  # (parent external hash | None, local hash)
+
+
+class Node:
+    __slots__ = ("local", "ext", "holders", "child", "parent")
+
+    def __init__(self, local: int, ext: int, parent: Node | None, holders: int) -> None:
+        self.local = local
+        self.ext = ext
+        self.holders = holders
+        self.child: Any = None  # None | Node | dict[int, Node]: one child is the norm
+        self.parent = parent
+
+
+class Edge:
+    """A lower-tier transition: the child's external hash and the slots holding it."""
+
+    __slots__ = ("child", "owners")
+
+    def __init__(self, child: int, owners: int) -> None:
+        self.child = child
+        self.owners = owners
+
+
+EdgeEntry = Union[Edge, list[Edge]]  # a list only when slots disagree on the child's hash
+
+
+class WorkerSlot:
+    __slots__ = ("key", "bit", "blocks", "overrides", "lower")
+
+    def __init__(self, key: WorkerKey, bit: int) -> None:
+        self.key = key
+        self.bit = bit  # one set bit, this slot's place in every mask
+        self.blocks: dict[int, Node] = {}  # own external hash -> device node
+        self.overrides: dict[Node, int] = {}  # node -> own external hash, where != node.ext
+        self.lower: dict[StorageTier, dict[int, TransitionKey]] = {}
+
+
+class StoreStatus(Enum):
+    STORED = "stored"
+    UNKNOWN_PARENT = "unknown_parent"  # parent is not a device block of this slot
+    SELF_REFERENCE = "self_reference"  # a block_hash repeats in the event or equals the parent
+    HASH_CONFLICT = "hash_conflict"  # a block_hash already names another block of this slot
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """Per slot, in blocks, zero entries left out: `device` is the leading run of query blocks
+    held on the device tier; `host_pinned` the blocks the host tier adds after it; `disk` the
+    blocks the disk and external tiers add after that."""
+
+    device: dict[WorkerKey, int] = field(default_factory=dict)
+    host_pinned: dict[WorkerKey, int] = field(default_factory=dict)
+    disk: dict[WorkerKey, int] = field(default_factory=dict)
+
+
+class PrefixTree:
+    """The index of one partition. Not thread-safe; all methods are synchronous and pure."""
+
+    def __init__(self) -> None:
+        self.root = Node(0, 0, None, 0)  # never matched: matching starts at its children
+        self.slots: dict[WorkerKey, WorkerSlot] = {}
+        self.dormant: dict[Node, int] = {}
+        self.lower: dict[StorageTier, dict[TransitionKey, EdgeEntry]] = {tier: {} for tier in LOWER_TIERS}
+        self._by_bit: dict[int, WorkerSlot] = {}
+        # bit -> the slot's own int object for it. A mask left with one holder is replaced by
+        # that shared object rather than a fresh int (32+ bytes per node once bits pass 2**8).
+        self._canonical: dict[int, int] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 1
+
+    # --- workers ------------------------------------------------------------------------------
+
+    def add_worker(self, worker: WorkerKey) -> None:
+        self._slot(worker)
+
+    def drop_worker(self, worker: WorkerKey) -> None:
+        """Forget the slot and everything it holds; its bit is reused by later slots."""
+        slot = self.slots.get(worker)
+        if slot is None:
+            return
+        self.clear(worker)
+        del self.slots[worker]
+        del self._by_bit[slot.bit]
+        del self._canonical[slot.bit]
+        self._free_bits.append(slot.bit)
+
+    def block_count(self, worker: WorkerKey, tier: StorageTier = DEVICE) -> int:
+        slot = self.slots.get(worker)
+        if slot is None:
+            return 0
+        if tier == DEVICE:
+            return len(slot.blocks)
+        return len(slot.lower.get(tier, ()))
+
+    def _slot(self, worker: WorkerKey) -> WorkerSlot:
+        slot = self.slots.get(worker)
+        if slot is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit = self._next_bit
+                self._next_bit <<= 1
+            slot = WorkerSlot(worker, bit)
+            self.slots[worker] = slot
+            self._by_bit[bit] = slot
+            self._canonical[bit] = bit
+        return slot
+
+    # --- store --------------------------------------------------------------------------------
+
+    def store(
+        self,
+        worker: WorkerKey,
+        parent_hash: int | None,
+        block_hashes: Sequence[int],
+        tokens_hashes: Sequence[int],
+        tier: StorageTier = DEVICE,
+    ) -> StoreStatus:
+        """Store a chain of blocks (external, local hash pairs) under `parent_hash`.
+
+        All or nothing: a rejected event changes nothing. Blocks the slot already holds are
+        left as they are (re-delivery and overlapping stores are no-ops; a held block keeps
+        the external hash it was first stored with).
+        """
+        if len(block_hashes) != len(tokens_hashes):
+            raise ValueError("block_hashes and tokens_hashes differ in length")
+        slot = self.slots.get(worker) or self._slot(worker)
+        if len(block_hashes) == 1:
+            if block_hashes[0] == parent_hash:
+                return StoreStatus.SELF_REFERENCE
+        elif len(set(block_hashes)) != len(block_hashes) or (
+            parent_hash is not None and parent_hash in block_hashes
+        ):
+            return StoreStatus.SELF_REFERENCE
+        if tier == DEVICE:
+            return self._store_device(slot, parent_hash, block_hashes, tokens_hashes)
+        return self._store_lower(slot, tier, parent_hash, block_hashes, tokens_hashes)
+
+    def _store_device(
+        self, slot: WorkerSlot, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
+    ) -> StoreStatus:
+        blocks = slot.blocks
+        bit = slot.bit
+        if parent_hash is None:
+            start = self.root
+            active = True
+        else:
+            found = blocks.get(parent_hash)
+            if found is None:
+                return StoreStatus.UNKNOWN_PARENT
+            start = found
+            active = bool(start.holders & bit)
+        if not blocks.keys().isdisjoint(block_hashes) and not _consistent(
+            blocks, start, block_hashes, tokens_hashes
+        ):
+            return StoreStatus.HASH_CONFLICT
+        dormant = self.dormant
+        overrides = slot.overrides
+        node = start
+        for ext, local in zip(block_hashes, tokens_hashes):
+            child = node.child
+            if child is None:
+                child = node.child = Node(local, ext, node, 0)
+            elif child.__class__ is Node:
+                if child.local != local:
+                    new = Node(local, ext, node, 0)
+                    node.child = {child.local: child, local: new}
+                    child = new
+            else:
+                found_child = child.get(local)
+                if found_child is None:
+                    found_child = child[local] = Node(local, ext, node, 0)
+                child = found_child
+            node = child
+            holders = node.holders
+            if holders & bit:
+                continue
+            if dormant and dormant.get(node, 0) & bit:
+                continue
+            if active:
+                node.holders = bit if not holders else holders | bit
+                if dormant and node.child is not None:
+                    self._promote(node, bit)
+            else:
+                dormant[node] = dormant.get(node, 0) | bit
+            blocks[ext] = node
+            if node.ext != ext:
+                overrides[node] = ext
+        return StoreStatus.STORED
+
+    def _store_lower(
+        self,
+        slot: WorkerSlot,
+        tier: StorageTier,
+        parent_hash: int | None,
+        block_hashes: Sequence[int],
+        tokens_hashes: Sequence[int],
+    ) -> StoreStatus:
+        edges = self.lower[tier]
+        known = slot.lower.get(tier)
+        if known is None:
+            known = slot.lower[tier] = {}
+        if not known.keys().isdisjoint(block_hashes):
+            parent = parent_hash
+            for ext, local in zip(block_hashes, tokens_hashes):
+                previous = known.get(ext)
+                if previous is not None and previous != (parent, local):
+                    return StoreStatus.HASH_CONFLICT
+                parent = ext
+        bit = slot.bit
+        parent = parent_hash
+        for ext, local in zip(block_hashes, tokens_hashes):
+            key = (parent, local)
+            parent = ext
+            if ext in known:
+                continue
+            entry = edges.get(key)
+            if entry is None:
+                edges[key] = Edge(ext, bit)
+            elif entry.__class__ is Edge:
+                if entry.owners & bit:
+                    continue  # already held under another name: keep the first, as on device
+                if entry.child == ext:
+                    entry.owners |= bit
+                else:
+                    edges[key] = [entry, Edge(ext, bit)]
+            else:
+                variants: list[Edge] = entry
+                if any(variant.owners & bit for variant in variants):
+                    continue
+                for variant in variants:
+                    if variant.child == ext:
+                        variant.owners |= bit
+                        break
+                else:
+                    variants.append(Edge(ext, bit))
+            known[ext] = key
+        return StoreStatus.STORED
+
+    def _promote(self, node: Node, bit: int) -> None:
+        """`node` just became held for `bit` from the root: revive its dormant descendants."""
+        dormant = self.dormant
+        stack = [node]
+        while stack:
+            child = stack.pop().child
+            if child is None:
+                continue
+            for candidate in (child,) if child.__class__ is Node else child.values():
+                mask = dormant.get(candidate, 0)
+                if mask & bit:
+                    mask ^= bit
+                    if mask:
+                        dormant[candidate] = mask
+                    else:
+                        del dormant[candidate]
+                    holders = candidate.holders
+                    candidate.holders = bit if not holders else holders | bit
+                    stack.append(candidate)
+
+    # --- remove / clear -----------------------------------------------------------------------
+
+    def remove(self, worker: WorkerKey, block_hashes: Sequence[int], tier: StorageTier = DEVICE) -> int:
+        """Drop the named blocks of this slot only; returns how many it did not hold (skipped)."""
+        slot = self.slots.get(worker)
+        if slot is None:
+            return len(block_hashes)
+        if tier == DEVICE:
+            return self._remove_device(slot, block_hashes)
+        return self._remove_lower(slot, tier, block_hashes)
+
+    def _remove_device(self, slot: WorkerSlot, block_hashes: Sequence[int]) -> int:
+        blocks = slot.blocks
+        overrides = slot.overrides
+        dormant = self.dormant
+        canonical = self._canonical
+        bit = slot.bit
+        unknown = 0
+        for ext in block_hashes:
+            node = blocks.pop(ext, None)
+            if node is None:
+                unknown += 1
+                continue
+            if overrides:
+                overrides.pop(node, None)
+            holders = node.holders
+            if holders & bit:
+                holders ^= bit
+                node.holders = canonical.get(holders, holders)
+                if node.child is not None:
+                    self._demote(node, bit)
+            else:
+                mask = dormant[node] ^ bit
+                if mask:
+                    dormant[node] = mask
+                else:
+                    del dormant[node]
+            if not node.holders and node.child is None and node not in dormant:
+                self._prune(node)
+        return unknown
+
+    def _demote(self, node: Node, bit: int) -> None:
+        """`bit` lost `node`: its descendants held by `bit` stay held, but below a gap."""
+        dormant = self.dormant
+        canonical = self._canonical
+        stack = [node]
+        while stack:
+            child = stack.pop().child
+            if child is None:
+                continue
+            for candidate in (child,) if child.__class__ is Node else child.values():
+                holders = candidate.holders
+                if holders & bit:
+                    holders ^= bit
+                    candidate.holders = canonical.get(holders, holders)
+                    dormant[candidate] = dormant.get(candidate, 0) | bit
+                    stack.append(candidate)
+
+    def _prune(self, node: Node) -> None:
+        """Unlink a node nobody holds and that has no children, then its emptied ancestors."""
+        root = self.root
+        dormant = self.dormant
+        while True:
+            parent = node.parent
+            assert parent is not None
+            siblings = parent.child
+            if siblings is node:
+                parent.child = None
+            else:
+                del siblings[node.local]
+                if len(siblings) == 1:
+                    (parent.child,) = siblings.values()
+            node.parent = None
+            if parent is root or parent.holders or parent.child is not None or parent in dormant:
+                return
+            node = parent
+
+    def _remove_lower(self, slot: WorkerSlot, tier: StorageTier, block_hashes: Sequence[int]) -> int:
+        known = slot.lower.get(tier)
+        if not known:
+            return len(block_hashes)
+        edges = self.lower[tier]
+        unknown = 0
+        for ext in block_hashes:
+            key = known.pop(ext, None)
+            if key is None:
+                unknown += 1
+                continue
+            _release_edge(edges, key, ext, slot.bit)
+        return unknown
+
+    def clear(self, worker: WorkerKey) -> None:
+        """Drop every block of the slot on every tier (AllBlocksCleared); the slot stays."""
+        slot = self.slots.get(worker)
+        if slot is None:
+            return
+        bit = slot.bit
+        canonical = self._canonical
+        dormant = self.dormant
+        nodes = list(slot.blocks.values())
+        slot.blocks = {}
+        slot.overrides = {}
+        for node in nodes:
+            holders = node.holders
+            if holders & bit:
+                holders ^= bit
+                node.holders = canonical.get(holders, holders)
+            else:
+                mask = dormant[node] ^ bit
+                if mask:
+                    dormant[node] = mask
+                else:
+                    del dormant[node]
+        for node in nodes:
+            # A node may already be gone, unlinked while pruning one of its descendants.
+            if node.parent is not None and not node.holders and node.child is None and node not in dormant:
+                self._prune(node)
+        for tier, known in slot.lower.items():
+            edges = self.lower[tier]
+            for ext, key in known.items():
+                _release_edge(edges, key, ext, bit)
+        slot.lower = {}
+
+    # --- match --------------------------------------------------------------------------------
+
+    def match(self, local_hashes: Sequence[int]) -> MatchResult:
+        """Device score and lower-tier continuation of every slot; hashes may be u64 or i64."""
+        by_bit = self._by_bit
+        stops, reached = self._match_device(local_hashes)
+        if reached < len(local_hashes) and local_hashes[reached] < 0:
+            # i64 input (as `/query_by_hash` sends it): a negative hash never matches, so the
+            # walk stops at the first one; only then is converting the whole query worth it.
+            local_hashes = to_unsigned_list(local_hashes)
+            stops, reached = self._match_device(local_hashes)
+        device: dict[WorkerKey, int] = {}
+        for mask, depth, _node in stops:
+            while mask:
+                low = mask & -mask
+                device[by_bit[low].key] = depth
+                mask ^= low
+        result = MatchResult(device)
+        lower = self.lower
+        if local_hashes and (lower["host_pinned"] or lower["disk"] or lower["external"]):
+            self._match_lower(to_unsigned_list(local_hashes), stops, result)
+        return result
+
+    def _match_device(self, local_hashes: Sequence[int]) -> tuple[list[tuple[int, int, Node]], int]:
+        """(slots, depth, last node) for each group of slots that stopped at the same depth,
+        and the depth at which the walk stopped. This loop is the query's hot path."""
+        stops: list[tuple[int, int, Node]] = []
+        node_class = Node
+        node = self.root
+        alive = -1  # every slot, until the first node says who holds it
+        depth = 0
+        for depth, local in enumerate(local_hashes):
+            child = node.child
+            if child.__class__ is node_class:
+                if child.local != local:
+                    break
+            elif child is None:
+                break
+            else:
+                child = child.get(local)
+                if child is None:
+                    break
+            holders = child.holders
+            if holders != alive:
+                # Masks are prefix-closed, so `holders` is a subset of `alive`.
+                if depth:
+                    stops.append((alive ^ holders, depth, node))
+                alive = holders
+                if not holders:
+                    break
+            node = child
+        else:
+            depth = len(local_hashes)
+        if depth and alive:
+            stops.append((alive, depth, node))
+        return stops, depth
+
+    def _match_lower(
+        self, local_hashes: Sequence[int], stops: list[tuple[int, int, Node]], result: MatchResult
+    ) -> None:
+        by_bit = self._by_bit
+        position: dict[int, tuple[int, int | None]] = {}  # slot bit -> (query position, last ext)
+        for mask, depth, node in stops:
+            while mask:
+                low = mask & -mask
+                overrides = by_bit[low].overrides
+                position[low] = (depth, overrides.get(node, node.ext) if overrides else node.ext)
+                mask ^= low
+        first = local_hashes[0]
+        host = result.host_pinned
+        disk = result.disk
+        for tier in LOWER_TIERS:
+            edges = self.lower[tier]
+            if not edges:
+                continue
+            root_entry = edges.get((None, first))
+            if root_entry is not None:
+                for variant in (root_entry,) if root_entry.__class__ is Edge else root_entry:
+                    mask = variant.owners
+                    while mask:
+                        low = mask & -mask
+                        position.setdefault(low, (0, None))
+                        mask ^= low
+            totals = host if tier == "host_pinned" else disk
+            for bit, hits in _continue(edges, local_hashes, position).items():
+                key = by_bit[bit].key
+                totals[key] = totals.get(key, 0) + hits
+
+    # --- dump ---------------------------------------------------------------------------------
+
+    def dump(self) -> list[RouterEvent]:
+        """Stored events that rebuild the index, parents before children: the device tier as
+        chains (one event per run of single-child nodes and slot holding it), then one
+        single-block event per lower-tier block. event_id counts from 0 in each tier section.
+
+        Dormant blocks (held below a removed block) are left out: no stored event can
+        express them, and leaving them out changes no query answer.
+        """
+        events: list[RouterEvent] = []
+        by_bit = self._by_bit
+        root = self.root
+        pending = _children(root)
+        pending.reverse()
+        while pending:
+            start = pending.pop()
+            run = [start]
+            node = start
+            while node.child is not None and node.child.__class__ is Node:
+                node = node.child
+                run.append(node)
+            further = _children(node)
+            further.reverse()
+            pending.extend(further)
+            lengths: dict[int, int] = {}
+            mask = start.holders
+            for depth, member in enumerate(run):
+                if member.holders != mask:
+                    _settle_lengths(lengths, mask ^ member.holders, depth)
+                    mask = member.holders
+            _settle_lengths(lengths, mask, len(run))
+            parent = start.parent
+            for slot in sorted((by_bit[bit] for bit in lengths), key=lambda s: s.key):
+                overrides = slot.overrides
+                covered = run[: lengths[slot.bit]]
+                parent_hash = None
+                if parent is not root:
+                    parent_hash = overrides.get(parent, parent.ext) if overrides else parent.ext
+                exts = [overrides.get(n, n.ext) for n in covered] if overrides else [n.ext for n in covered]
+                events.append(
+                    RouterEvent(
+                        slot.key[0],
+                        slot.key[1],
+                        len(events),
+                        DEVICE,
+                        Stored(parent_hash, exts, [n.local for n in covered]),
+                    )
+                )
+        for tier in LOWER_TIERS:
+            event_id = 0
+            for key in sorted(self.slots):
+                slot = self.slots[key]
+                for ext, (parent_hash, local) in slot.lower.get(tier, {}).items():
+                    events.append(RouterEvent(key[0], key[1], event_id, tier, Stored(parent_hash, [ext], [local])))
+                    event_id += 1
+        return events
+
+
+def _consistent(
+    blocks: dict[int, Node], start: Node, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
+) -> bool:
+    """Whether every hash the slot already uses names the very node the store walks to."""
+    node: Node | None = start
+    for ext, local in zip(block_hashes, tokens_hashes):
+        if node is not None:
+            child = node.child
+            if child is None:
+                node = None
+            elif child.__class__ is Node:
+                node = child if child.local == local else None
+            else:
+                node = child.get(local)
+        known = blocks.get(ext)
+        if known is not None and known is not node:
+            return False
+    return True
+
+
+def _release_edge(edges: dict[TransitionKey, EdgeEntry], key: TransitionKey, ext: int, bit: int) -> None:
+    entry = edges[key]
+    if entry.__class__ is Edge:
+        owners = entry.owners & ~bit
+        if owners:
+            entry.owners = owners
+        else:
+            del edges[key]
+        return
+    variants: list[Edge] = entry
+    for variant in variants:
+        if variant.child == ext:
+            variant.owners &= ~bit
+            if not variant.owners:
+                variants.remove(variant)
+            break
+    if len(variants) == 1:
+        edges[key] = variants[0]
+
+
+def _continue(
+    edges: dict[TransitionKey, EdgeEntry],
+    local_hashes: Sequence[int],
+    position: dict[int, tuple[int, int | None]],
+) -> dict[int, int]:
+    """Advance every slot through one lower tier; returns the blocks each gained and leaves
+    each slot's new (position, last ext) in `position`, to seed the next tier.
+
+    Slots at the same (position, ext) walk together, splitting as transitions lose owners."""
+    groups: dict[tuple[int, int | None], int] = {}
+    for bit, state in position.items():
+        groups[state] = groups.get(state, 0) | bit
+    gained: dict[int, int] = {}
+    end = len(local_hashes)
+    work = list(groups.items())
+    while work:
+        (depth, ext), mask = work.pop()
+        while depth < end:
+            entry = edges.get((ext, local_hashes[depth]))
+            if entry is None:
+                break
+            if entry.__class__ is not Edge:
+                rest = mask
+                for variant in entry:
+                    sub = mask & variant.owners
+                    if sub:
+                        work.append(((depth + 1, variant.child), sub))
+                        rest ^= sub
+                mask = rest
+                break
+            held = mask & entry.owners
+            if held != mask:
+                _settle(position, gained, mask ^ held, depth, ext)
+                mask = held
+                if not held:
+                    break
+            ext = entry.child
+            depth += 1
+        if mask:
+            _settle(position, gained, mask, depth, ext)
+    return gained
+
+
+def _settle(
+    position: dict[int, tuple[int, int | None]], gained: dict[int, int], mask: int, depth: int, ext: int | None
+) -> None:
+    while mask:
+        low = mask & -mask
+        hits = depth - position[low][0]
+        if hits:
+            gained[low] = hits
+            position[low] = (depth, ext)
+        mask ^= low
+
+
+def _settle_lengths(lengths: dict[int, int], mask: int, length: int) -> None:
+    while mask:
+        low = mask & -mask
+        if length:
+            lengths[low] = length
+        mask ^= low
+
+
+def _children(node: Node) -> list[Node]:
+    child = node.child
+    if child is None:
+        return []
+    if child.__class__ is Node:
+        return [child]
+    return list(child.values())

@@ -1,0 +1,236 @@
+"""KV-aware worker selection for a gateway, on top of the two services.
+
+Per LLM request a gateway makes two reads, concurrently, then one write:
+
+1. indexer `POST /query_by_hash` with the prompt's local block hashes → cached tokens per
+   (instance, dp_rank);
+2. slot tracker `POST /potential_loads` with the prompt's chained sequence hashes → each rank's
+   active prefill tokens and projected decode blocks;
+3. slot tracker `POST /add` on the chosen rank (then `/prefill_complete` at the first output
+   token and `/free` at the end, through the returned `RequestHandle`).
+
+The cost of Dynamo's KV router decides (lower is better):
+`cost = overlap_score_weight * prefill_blocks + decode_blocks`, where
+`prefill_blocks = (active_prefill_tokens + isl_tokens - cached_tokens) / block_size` and
+`decode_blocks = potential_decode_blocks`. Temperature 0 takes the cheapest rank (ties broken
+by the seeded random generator); a positive temperature samples from a softmax over the costs
+normalised to [0, 1], as Dynamo's `softmax_sample` does.
+
+`score_ranks` and `choose` are pure functions; `KvRouter` only adds the HTTP calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from .client import AsyncIndexerClient, AsyncSlotTrackerClient, PotentialLoad, ServiceCallError
+from .hashing import local_block_hashes, sequence_hashes, to_signed
+
+
+class NoWorkerAvailable(Exception):
+    """No registered rank can take the request (none registered, or all over a busy threshold)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    overlap_score_weight: float = 1.0
+    router_temperature: float = 0.0
+    # A rank is busy, so not a candidate, when its decode blocks with this request would exceed
+    # the first threshold or its active prefill tokens exceed the second (None: no limit).
+    active_decode_blocks_threshold: int | None = None
+    active_prefill_tokens_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.overlap_score_weight < 0 or not math.isfinite(self.overlap_score_weight):
+            raise ValueError("overlap_score_weight must be a finite number >= 0")
+        if self.router_temperature < 0 or not math.isfinite(self.router_temperature):
+            raise ValueError("router_temperature must be a finite number >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RankCost:
+    """One candidate's cost breakdown, for logging and for the simulator's reports."""
+
+    worker_id: int
+    dp_rank: int
+    cached_tokens: int
+    prefill_tokens: int
+    prefill_blocks: float
+    decode_blocks: int
+    cost: float
+    busy: bool
+
+    def formula(self, weight: float) -> str:
+        return (
+            f"worker {self.worker_id} rank {self.dp_rank}: {self.cost:.3f} = {weight:g} * "
+            f"{self.prefill_blocks:.3f} + {self.decode_blocks} (cached tokens: {self.cached_tokens})"
+        )
+
+
+def score_ranks(
+    potential_loads: Sequence[PotentialLoad],
+    cached_tokens: dict[tuple[int, int], int],
+    isl_tokens: int,
+    block_size: int,
+    config: RouterConfig,
+) -> list[RankCost]:
+    """Cost of each rank, given `/potential_loads` answered with `new_isl_tokens=0` and the
+    indexer's matched tokens per (worker, rank). A rank unknown to the indexer has nothing
+    cached; ranks only the indexer knows cannot be booked and are not candidates."""
+    costs = []
+    for load in potential_loads:
+        rank = (load.worker_id, load.dp_rank)
+        cached = min(cached_tokens.get(rank, 0), isl_tokens)
+        active_prefill = load.potential_prefill_tokens  # new_isl_tokens was 0
+        prefill_tokens = active_prefill + isl_tokens - cached
+        prefill_blocks = prefill_tokens / block_size
+        decode_blocks = load.potential_decode_blocks
+        busy = (
+            config.active_decode_blocks_threshold is not None
+            and decode_blocks > config.active_decode_blocks_threshold
+        ) or (
+            config.active_prefill_tokens_threshold is not None
+            and active_prefill > config.active_prefill_tokens_threshold
+        )
+        cost = config.overlap_score_weight * prefill_blocks + decode_blocks
+        costs.append(RankCost(load.worker_id, load.dp_rank, cached, prefill_tokens, prefill_blocks,
+                              decode_blocks, cost, busy))
+    return costs
+
+
+def choose(costs: Sequence[RankCost], temperature: float, rng: random.Random) -> RankCost:
+    """Lowest cost at temperature 0, else a softmax sample over costs scaled to [0, 1]."""
+    candidates = sorted((c for c in costs if not c.busy), key=lambda c: (c.worker_id, c.dp_rank))
+    if not candidates:
+        raise NoWorkerAvailable("no rank can take the request (none registered, or all busy)")
+    if temperature == 0:
+        best = min(c.cost for c in candidates)
+        return rng.choice([c for c in candidates if c.cost == best])
+    low = min(c.cost for c in candidates)
+    high = max(c.cost for c in candidates)
+    if low == high:
+        return rng.choice(candidates)
+    weights = [math.exp(-(c.cost - low) / ((high - low) * temperature)) for c in candidates]
+    return rng.choices(candidates, weights=weights)[0]
+
+
+@dataclass(slots=True)
+class Decision:
+    model_name: str
+    tenant_id: str
+    worker_id: int
+    dp_rank: int
+    isl_tokens: int
+    sequence_hashes: list[int]
+    costs: list[RankCost]
+    config: RouterConfig
+    lookup_secs: float
+
+    @property
+    def chosen(self) -> RankCost:
+        return next(c for c in self.costs if (c.worker_id, c.dp_rank) == (self.worker_id, self.dp_rank))
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    """A booked request: call `prefill_complete()` at the first output token, `free()` at the end."""
+
+    slot_tracker: AsyncSlotTrackerClient
+    decision: Decision
+    request_id: str
+    prefilled: bool = field(default=False)
+    freed: bool = field(default=False)
+
+    async def prefill_complete(self) -> None:
+        if not self.prefilled and not self.freed:
+            await self.slot_tracker.prefill_complete(
+                self.decision.model_name, self.request_id, tenant_id=self.decision.tenant_id
+            )
+            self.prefilled = True
+
+    async def free(self) -> None:
+        if not self.freed:
+            await self.slot_tracker.free(self.decision.model_name, self.request_id, tenant_id=self.decision.tenant_id)
+            self.freed = True
+
+
+class KvRouter:
+    """Selects a (worker_id, dp_rank) per request from the indexer's and slot tracker's answers."""
+
+    def __init__(
+        self,
+        slot_tracker: AsyncSlotTrackerClient,
+        indexer: AsyncIndexerClient,
+        *,
+        block_size: int,
+        config: RouterConfig | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.slot_tracker = slot_tracker
+        self.indexer = indexer
+        self.block_size = block_size
+        self.config = config or RouterConfig()
+        self.rng = random.Random(seed)
+
+    def hashes_for(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(local hashes for the indexer, chained sequence hashes for the slot tracker), signed."""
+        local = local_block_hashes(token_ids, self.block_size, lora_name=lora_name, cache_salt=cache_salt)
+        return [to_signed(h) for h in local], [to_signed(h) for h in sequence_hashes(local)]
+
+    async def select(
+        self,
+        model_name: str,
+        *,
+        isl_tokens: int,
+        local_hashes: Sequence[int],
+        sequence_hashes: Sequence[int],
+        tenant_id: str = "default",
+        overlap_score_weight: float | None = None,
+        router_temperature: float | None = None,
+    ) -> Decision:
+        """Query both services concurrently and pick a rank. Overrides apply to this call only."""
+        config = self.config
+        if overlap_score_weight is not None or router_temperature is not None:
+            config = replace(
+                config,
+                overlap_score_weight=config.overlap_score_weight if overlap_score_weight is None else overlap_score_weight,
+                router_temperature=config.router_temperature if router_temperature is None else router_temperature,
+            )
+        started = time.perf_counter()
+        overlap_task = self._cached_tokens(model_name, tenant_id, local_hashes)
+        loads_task = self.slot_tracker.potential_loads(model_name, sequence_hashes, 0, tenant_id=tenant_id)
+        cached, loads = await asyncio.gather(overlap_task, loads_task)
+        lookup_secs = time.perf_counter() - started
+        costs = score_ranks(loads, cached, isl_tokens, self.block_size, config)
+        chosen = choose(costs, config.router_temperature, self.rng)
+        return Decision(model_name, tenant_id, chosen.worker_id, chosen.dp_rank, isl_tokens,
+                        list(sequence_hashes), costs, config, lookup_secs)
+
+    async def commit(self, decision: Decision, request_id: str) -> RequestHandle:
+        """Book the chosen rank with `/add` (new prefill tokens = the prompt minus its cached part)."""
+        await self.slot_tracker.add(
+            decision.model_name, request_id, decision.worker_id, decision.dp_rank,
+            decision.sequence_hashes, decision.isl_tokens - decision.chosen.cached_tokens,
+            tenant_id=decision.tenant_id,
+        )
+        return RequestHandle(self.slot_tracker, decision, request_id)
+
+    async def _cached_tokens(
+        self, model_name: str, tenant_id: str, local_hashes: Sequence[int]
+    ) -> dict[tuple[int, int], int]:
+        try:
+            overlap = await self.indexer.query_by_hash(model_name, local_hashes, tenant_id=tenant_id)
+        except ServiceCallError as exc:
+            if exc.status == 404:  # no worker published anything for this model yet
+                return {}
+            raise
+        return overlap.scores

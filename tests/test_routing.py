@@ -1,0 +1,75 @@
+"""The selector's cost and sampling, as pure functions, then wired to the in-process services."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from dynamo_lite.client import PotentialLoad
+from dynamo_lite.routing import NoWorkerAvailable, RankCost, RouterConfig, choose, score_ranks
+
+BLOCK = 16
+
+
+def loads(*rows: tuple[int, int, int, int]) -> list[PotentialLoad]:
+    """(worker, rank, active prefill tokens, potential decode blocks) rows, as /potential_loads
+    answers them for new_isl_tokens=0."""
+    return [PotentialLoad(w, r, prefill, decode, 0) for w, r, prefill, decode in rows]
+
+
+def test_cost_is_weighted_prefill_blocks_plus_decode_blocks() -> None:
+    costs = score_ranks(
+        loads((1, 0, 32, 10), (2, 0, 0, 5), (3, 0, 0, 9)),
+        {(1, 0): 64, (2, 0): 16},
+        isl_tokens=160,
+        block_size=BLOCK,
+        config=RouterConfig(overlap_score_weight=2.0),
+    )
+    by_worker = {c.worker_id: c for c in costs}
+    assert by_worker[1].prefill_tokens == 32 + 160 - 64
+    assert by_worker[1].cost == pytest.approx(2.0 * 128 / 16 + 10)
+    assert by_worker[2].cost == pytest.approx(2.0 * 144 / 16 + 5)
+    assert by_worker[3].cached_tokens == 0 and by_worker[3].cost == pytest.approx(2.0 * 10 + 9)
+    assert choose(costs, 0.0, random.Random(0)).worker_id == 2
+
+
+def test_indexer_only_ranks_are_not_candidates_and_cache_is_capped_at_the_prompt() -> None:
+    costs = score_ranks(loads((1, 0, 0, 0)), {(1, 0): 10_000, (9, 0): 64}, 32, BLOCK, RouterConfig())
+    assert [(c.worker_id, c.cached_tokens, c.prefill_tokens) for c in costs] == [(1, 32, 0)]
+
+
+def test_zero_temperature_breaks_ties_with_the_seeded_generator() -> None:
+    costs = score_ranks(loads((1, 0, 0, 3), (2, 0, 0, 3), (3, 0, 0, 4)), {}, 16, BLOCK, RouterConfig())
+    picks = [choose(costs, 0.0, random.Random(seed)).worker_id for seed in range(40)]
+    assert set(picks) == {1, 2}
+    assert picks == [choose(costs, 0.0, random.Random(seed)).worker_id for seed in range(40)]
+
+
+def test_temperature_samples_a_softmax_over_normalised_costs() -> None:
+    costs = [RankCost(w, 0, 0, 0, 0.0, 0, cost, False) for w, cost in [(1, 0.0), (2, 3.0), (3, 9.0)]]
+    rng = random.Random(42)
+    counts = Counter(choose(costs, 1.0, rng).worker_id for _ in range(30_000))
+    # Costs 0, 3, 9 normalise to 0, 1/3, 1: probabilities proportional to exp(-normalised / T).
+    expected = [math.exp(-c / 9.0) for c in (0.0, 3.0, 9.0)]
+    for worker, weight in zip((1, 2, 3), expected):
+        assert counts[worker] / 30_000 == pytest.approx(weight / sum(expected), abs=0.02)
+    equal = [RankCost(w, 0, 0, 0, 0.0, 0, 5.0, False) for w in (1, 2)]
+    assert {choose(equal, 0.5, random.Random(s)).worker_id for s in range(20)} == {1, 2}
+
+
+def test_busy_thresholds_exclude_ranks_and_all_busy_raises() -> None:
+    config = RouterConfig(active_decode_blocks_threshold=10, active_prefill_tokens_threshold=100)
+    costs = score_ranks(loads((1, 0, 0, 11), (2, 0, 101, 0), (3, 0, 100, 10)), {}, 16, BLOCK, config)
+    assert [c.worker_id for c in costs if c.busy] == [1, 2]
+    assert choose(costs, 0.0, random.Random(0)).worker_id == 3
+    with pytest.raises(NoWorkerAvailable):
+        choose([c for c in costs if c.busy], 0.0, random.Random(0))
+
+
+@pytest.mark.parametrize("kwargs", [{"overlap_score_weight": -1}, {"router_temperature": float("nan")}])
+def test_config_rejects_nonsense(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        RouterConfig(**kwargs)
