@@ -318,7 +318,7 @@ class _Blocking(Generic[A]):
     """
 
     def __init__(self, async_client: A) -> None:
-        self._async = async_client
+        self._async: A = async_client
         self._loop = asyncio.new_event_loop()
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -332,7 +332,7 @@ class _Blocking(Generic[A]):
         return blocking
 
     def _run(self, coroutine: Awaitable[T]) -> T:
-        return self._loop.run_until_complete(coroutine)  # type: ignore[arg-type]
+        return self._loop.run_until_complete(coroutine)
 
     def close(self) -> None:
         if not self._loop.is_closed():

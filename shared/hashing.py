@@ -79,18 +79,17 @@ def local_block_hashes(
 ) -> list[int]:
     """Local hash (u64) of every full block of `tokens`; a trailing partial block is ignored.
 
-    `block_size` 0 gives no blocks, as in Dynamo. Raises ValueError for a token that is not an
-    integer in the u32 range (a bool passes as 0/1: rejecting JSON booleans is the request
-    validator's job, and this function stays one C-level pack).
+    `block_size` 0 gives no blocks, as in Dynamo. Raises ValueError for any token that is not
+    an integer in the u32 range, the ignored tail included, as Dynamo rejects the whole request.
+    A bool passes as 0/1: rejecting JSON booleans is the request validator's job, and this
+    function stays one C-level pack.
     """
     if block_size < 0:
         raise ValueError(f"block_size must not be negative, got {block_size}")
+    data = _token_bytes(tokens)  # every token is checked, the ignored tail too
     if block_size == 0:
         return []
     count = len(tokens) // block_size
-    if count == 0:
-        return []
-    data = _token_bytes(tokens[: count * block_size])
     seed = block_hash_seed(lora_name, cache_salt)
     step = block_size * 4
     # Slicing bytes (a copy of `step` bytes) is cheaper per call here than memoryview slices.

@@ -38,7 +38,7 @@ from typing import Any, Final, Literal, NoReturn, Union
 import orjson
 
 from dynamo_lite.errors import InvalidShape
-from dynamo_lite.hashing import I64_MIN, U64_MASK, U64_MAX
+from dynamo_lite.hashing import I64_MIN, U64_MAX, to_unsigned, to_unsigned_list
 
 U32_MAX: Final = 2**32 - 1
 
@@ -203,7 +203,7 @@ def _parse_stored(stored: Any, where: str, index: int) -> Stored:
     if parent is not None:
         if type(parent) is not int or not I64_MIN <= parent <= U64_MAX:
             _bad(_path(where, index, ".event.data.stored.parent_hash"), f"null or {_HASH_RANGE}", parent)
-        parent &= U64_MASK
+        parent = to_unsigned(parent)
     blocks = stored.get("blocks", _MISSING)
     if type(blocks) is not list:
         _bad(_path(where, index, ".event.data.stored.blocks"), "an array of blocks", blocks)
@@ -255,11 +255,11 @@ def _hash_list(values: list[Any], where: str, index: int, array_path: str, field
         if low >= 0 and max(values) <= U64_MAX:
             return values
         if low >= I64_MIN and max(values) <= U64_MAX:
-            return [value & U64_MASK for value in values]
+            return to_unsigned_list(values)
     for position, value in enumerate(values):
         if type(value) is not int or not I64_MIN <= value <= U64_MAX:
             _bad(_path(where, index, f"{array_path}[{position}]{field}"), _HASH_RANGE, value)
-    return [value & U64_MASK for value in values]
+    return to_unsigned_list(values)
 
 
 def _path(where: str, index: int, suffix: str) -> str:

@@ -202,10 +202,12 @@ class Indexer:
         and workers. Dumps renumber event ids per tier section, so watermarks are neither
         checked nor moved: the next live event of each worker starts a fresh sequence."""
         parsed = parse_events_document(document)
-        self._validate(parsed)
+        self._validate(parsed, keep_empty=True)
         return self._apply(parsed, watermarks=False)
 
-    def _validate(self, document: Sequence[PartitionEvents]) -> None:
+    def _validate(self, document: Sequence[PartitionEvents], *, keep_empty: bool = False) -> None:
+        """`keep_empty`: sections without events create their partition too (a dump lists a
+        partition whose workers hold nothing; recovery keeps it and its block size)."""
         sizes: dict[PartitionId, int] = {}
         claimed: dict[int, PartitionId] = {}
         for section in document:
@@ -218,7 +220,7 @@ class Indexer:
                     f"block_size mismatch for model={pid[0]} tenant_id={pid[1]}: "
                     f"existing={size}, requested={section.block_size}"
                 )
-            if size is None and section.events:
+            if size is None and (section.events or keep_empty):
                 _check_block_size(section.block_size)
                 sizes[pid] = section.block_size
             for instance_id in {event.worker_id for event in section.events}:
@@ -233,8 +235,8 @@ class Indexer:
     def _apply(self, document: Sequence[PartitionEvents], *, watermarks: bool) -> ApplyReport:
         report = ApplyReport()
         for section in document:
-            if not section.events:
-                continue
+            if not section.events and watermarks:
+                continue  # live ingest: an empty section changes nothing
             partition = self._partition_for(section.model_name, section.tenant_id, section.block_size)
             self.partitions[(section.model_name, section.tenant_id)] = partition
             tree = partition.tree
@@ -305,7 +307,11 @@ class Indexer:
                 if per_rank is None:
                     scores[name] = {rank: tokens}
                     instances[name] = {
-                        "longest_matched": tokens, "gpu": tokens, "dp": {rank: tokens}, "cpu": tokens, "disk": tokens
+                        "longest_matched": tokens,
+                        "gpu": tokens,
+                        "dp": {rank: tokens},
+                        "cpu": tokens,
+                        "disk": tokens,
                     }
                     continue
                 per_rank[rank] = tokens

@@ -1,0 +1,187 @@
+"""`python -m dynamo_lite.simulate`: replay a trace against the running services, per policy.
+
+Both services must already run (`python -m dynamo_lite.slot_tracker`, `python -m
+dynamo_lite.indexer`). Each policy gets a fresh simulated fleet and its own model name, and its
+workers are unregistered from both services afterwards, so runs never see each other's state.
+
+The defaults model 8 single-rank workers with 8192 KV blocks of 64 tokens each (512k tokens,
+about an 8B model on one 80 GB GPU), prefill at 8000 tokens/s and decode at 40 tokens/s per
+request: on the public conversation trace an unrouted fleet cannot keep every conversation's
+prefix on every rank, so where a request lands decides whether its prefix is cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import sys
+from typing import Any
+
+import orjson
+from dynamo_lite.client import ServiceCallError
+from dynamo_lite.routing import RouterConfig
+
+from .calls import LatencyRecorder, service_clients
+from .engine import PolicyResult, Simulation, check_capacity
+from .fleet import FleetConfig
+from .policies import POLICY_NAMES, make_policy
+from .progress import Progress
+from .report import format_tables, run_document
+from .trace import (
+    MOONCAKE_BLOCK_TOKENS,
+    SimRequest,
+    TraceError,
+    expand_trace,
+    load_trace,
+)
+
+DEFAULTS = FleetConfig()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    return value
+
+
+def _block_size(text: str) -> int:
+    value = _positive_int(text)
+    if MOONCAKE_BLOCK_TOKENS % value:
+        raise argparse.ArgumentTypeError(f"{value} does not divide {MOONCAKE_BLOCK_TOKENS}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamo_lite.simulate",
+        description="Replay a Mooncake trace against the running slot tracker and indexer with a "
+        "simulated fleet, and compare routing policies.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--trace", required=True, help="Mooncake JSONL trace")
+    parser.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
+    parser.add_argument("--time-scale", type=_positive_float, default=1.0,
+                        help="multiply trace timestamps by this (0.5 = twice the request rate)")
+    parser.add_argument("--workers", type=_positive_int, default=DEFAULTS.workers, help="simulated workers")
+    parser.add_argument("--dp-size", type=_positive_int, default=DEFAULTS.dp_size,
+                        help="data-parallel ranks per worker")
+    parser.add_argument("--kv-blocks", type=_positive_int, default=DEFAULTS.kv_blocks,
+                        help="KV capacity per rank, in blocks")
+    parser.add_argument("--block-size", type=_block_size, default=DEFAULTS.block_size,
+                        help="tokens per KV block (must divide 512)")
+    parser.add_argument("--prefill-tps", type=_positive_float, default=DEFAULTS.prefill_tps,
+                        help="prefill speed per rank, uncached tokens/s (one prefill at a time)")
+    parser.add_argument("--decode-tps", type=_positive_float, default=DEFAULTS.decode_tps,
+                        help="decode speed per request, tokens/s")
+    parser.add_argument("--policy", choices=(*POLICY_NAMES, "all"), default="all", help="routing policy")
+    parser.add_argument("--overlap-weight", type=_non_negative_float, default=RouterConfig().overlap_score_weight,
+                        help="kv policy: weight of prefill blocks in the cost")
+    parser.add_argument("--temperature", type=_non_negative_float, default=RouterConfig().router_temperature,
+                        help="kv policy: softmax temperature (0 = cheapest rank)")
+    parser.add_argument("--slot-tracker", default="http://127.0.0.1:8091", help="slot tracker base URL")
+    parser.add_argument("--indexer", default="http://127.0.0.1:8090", help="indexer base URL")
+    parser.add_argument("--model-name",
+                        help="model name to register the simulated workers under (default: sim-<random>-<policy>); "
+                        "it must not be in use, and is unregistered after each policy")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random and kv tie-breaking choices")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    return parser
+
+
+async def simulate(requests: list[SimRequest], config: FleetConfig, args: argparse.Namespace) -> list[PolicyResult]:
+    names = POLICY_NAMES if args.policy == "all" else (args.policy,)
+    router_config = RouterConfig(overlap_score_weight=args.overlap_weight, router_temperature=args.temperature)
+    run_tag = os.urandom(4).hex()
+    results = []
+    for name in names:
+        model_name = args.model_name or f"sim-{run_tag}-{name}"
+        recorder = LatencyRecorder()
+        async with service_clients(args.slot_tracker, args.indexer, recorder) as (slot_tracker, indexer):
+            await _check_reachable(slot_tracker.health(), "slot tracker", args.slot_tracker, "dynamo_lite.slot_tracker")
+            await _check_reachable(indexer.health(), "indexer", args.indexer, "dynamo_lite.indexer")
+            policy = make_policy(
+                name, slot_tracker=slot_tracker, indexer=indexer, model_name=model_name,
+                ranks=config.rank_keys(), block_size=config.block_size, router_config=router_config,
+                seed=args.seed,
+            )
+            progress = Progress(f"{name:>12}", enabled=False if args.quiet else None)
+            try:
+                simulation = Simulation(requests, config, policy, slot_tracker, indexer, recorder, model_name, progress)
+                results.append(await simulation.run())
+            finally:
+                progress.close()
+    return results
+
+
+class Unreachable(Exception):
+    pass
+
+
+async def _check_reachable(call: Any, what: str, url: str, module: str) -> None:
+    try:
+        await call
+    except ServiceCallError as exc:
+        raise Unreachable(
+            f"the {what} at {url} does not answer /health ({exc.message}); start it with "
+            f"`python -m {module} --host 127.0.0.1` or pass its URL"
+        ) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = FleetConfig(args.workers, args.dp_size, args.kv_blocks, args.block_size,
+                             args.prefill_tps, args.decode_tps)
+        records = load_trace(args.trace, args.limit)
+        requests = expand_trace(records, config.block_size, args.time_scale)
+        del records
+        check_capacity(requests, config)
+        # Millions of long-lived hashes: keep them out of the collector's full passes, whose
+        # pauses would otherwise land inside timed service calls.
+        gc.freeze()
+        try:
+            results = asyncio.run(simulate(requests, config, args))
+        finally:
+            gc.unfreeze()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (TraceError, OSError, ValueError, Unreachable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ServiceCallError as exc:
+        print(f"error: a service call failed: {exc}", file=sys.stderr)
+        return 1
+    settings = {
+        "trace": args.trace, "limit": args.limit, "time_scale": args.time_scale, "policy": args.policy,
+        "overlap_weight": args.overlap_weight, "temperature": args.temperature, "seed": args.seed,
+        "slot_tracker": args.slot_tracker, "indexer": args.indexer,
+    }
+    if args.json:
+        document = run_document(results, config, settings)
+        sys.stdout.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        sys.stdout.write(format_tables(results, config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

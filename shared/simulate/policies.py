@@ -1,0 +1,135 @@
+"""Routing policies the simulator compares; each picks a (worker_id, dp_rank) for a request.
+
+* `kv` - the gateway's KV selector (`dynamo_lite.routing.KvRouter`): indexer overlap plus slot
+  tracker loads, Dynamo's cost `overlap_weight * prefill_blocks + decode_blocks`;
+* `round_robin` - ranks in turn, blind to cache and load;
+* `random` - a seeded uniform choice, blind to cache and load;
+* `least_loaded` - fewest active decode blocks, read from the slot tracker's
+  `/potential_loads` queried with no hashes (so the answer is each rank's current load, not the
+  load after placing this request); ties go to fewer active requests, then a seeded choice.
+
+Every policy reports the cached tokens it expected on the chosen rank (only `kv` knows; the
+others say 0), which the engine passes on to `/add` as `new_isl_tokens = input - expected`.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Final
+
+from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+from dynamo_lite.hashing import to_signed_list
+from dynamo_lite.routing import KvRouter, RouterConfig
+
+from .fleet import RankKey
+from .trace import SimRequest
+
+POLICY_NAMES: Final = ("kv", "round_robin", "random", "least_loaded")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    rank: RankKey
+    expected_cached_tokens: int
+
+
+class Policy(ABC):
+    name: str
+
+    @abstractmethod
+    async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
+        """Choose a rank for `request` (its sequence hashes already signed for the services)."""
+
+
+class KvPolicy(Policy):
+    name = "kv"
+
+    def __init__(
+        self,
+        slot_tracker: AsyncSlotTrackerClient,
+        indexer: AsyncIndexerClient,
+        model_name: str,
+        block_size: int,
+        config: RouterConfig,
+        seed: int,
+    ) -> None:
+        self.model_name = model_name
+        self.router = KvRouter(slot_tracker, indexer, block_size=block_size, config=config, seed=seed)
+
+    async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
+        decision = await self.router.select(
+            self.model_name,
+            isl_tokens=request.input_length,
+            local_hashes=to_signed_list(request.local_hashes),
+            sequence_hashes=signed_sequence_hashes,
+        )
+        return Placement((decision.worker_id, decision.dp_rank), decision.chosen.cached_tokens)
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self, ranks: list[RankKey]) -> None:
+        self.ranks = sorted(ranks)
+        self.turn = 0
+
+    async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
+        rank = self.ranks[self.turn % len(self.ranks)]
+        self.turn += 1
+        return Placement(rank, 0)
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, ranks: list[RankKey], seed: int) -> None:
+        self.ranks = sorted(ranks)
+        self.rng = random.Random(seed)
+
+    async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
+        return Placement(self.rng.choice(self.ranks), 0)
+
+
+class LeastLoadedPolicy(Policy):
+    name = "least_loaded"
+
+    def __init__(self, slot_tracker: AsyncSlotTrackerClient, model_name: str, seed: int) -> None:
+        self.slot_tracker = slot_tracker
+        self.model_name = model_name
+        self.rng = random.Random(seed)
+
+    async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
+        loads = await self.slot_tracker.potential_loads(self.model_name, [], 0)
+        if not loads:
+            raise RuntimeError(f"the slot tracker has no ranks for model {self.model_name!r}")
+        best = min((load.potential_decode_blocks, load.active_requests) for load in loads)
+        candidates = sorted(
+            (load.worker_id, load.dp_rank)
+            for load in loads
+            if (load.potential_decode_blocks, load.active_requests) == best
+        )
+        return Placement(self.rng.choice(candidates), 0)
+
+
+def make_policy(
+    name: str,
+    *,
+    slot_tracker: AsyncSlotTrackerClient,
+    indexer: AsyncIndexerClient,
+    model_name: str,
+    ranks: list[RankKey],
+    block_size: int,
+    router_config: RouterConfig,
+    seed: int,
+) -> Policy:
+    if name == "kv":
+        return KvPolicy(slot_tracker, indexer, model_name, block_size, router_config, seed)
+    if name == "round_robin":
+        return RoundRobinPolicy(ranks)
+    if name == "random":
+        return RandomPolicy(ranks, seed)
+    if name == "least_loaded":
+        return LeastLoadedPolicy(slot_tracker, model_name, seed)
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,341 @@
+"""The prefix tree against a deliberately simple model of what it must answer.
+
+Model, per worker slot (the reference's §8.6 "simple model", extended to lower tiers):
+
+* device coverage: the set of prefix chains (tuples of local hashes) it stored and did not
+  remove, each under the external hash it was first stored with; a store is rejected whole
+  when its parent is not one of the worker's device hashes, when a hash repeats, or when a
+  hash already names a different chain of the worker; remove deletes exactly the named chains;
+* device score of a query = the largest k such that every prefix query[:j], j <= k, is covered;
+* per lower tier: transitions (parent hash | None, local) -> hash; a query continues a worker
+  from its device stop (parent = its hash for query[:k]) or, with no device hit, from the root,
+  through host_pinned, then disk, then external.
+
+Prompts share prefixes and repeat content; external hashes are chained like a real engine's,
+with one worker using another hash seed (inconsistent names, the reference's quirk Q1).
+Removals are tail-first, mid-chain and random (unknown hashes too).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from dynamo_lite.hashing import sequence_hashes, to_signed_list
+from dynamo_lite.indexer.protocols import LOWER_TIERS, Stored
+from dynamo_lite.indexer.tree import Node, PrefixTree, StoreStatus
+
+WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0)]
+ODD_SEED_WORKER = (3, 0)  # names the same content differently from everyone else
+TIERS = ("device", *LOWER_TIERS)
+
+_rng = random.Random(1234)
+# Content ids 0..5 -> local hashes; half of them above 2**63 to exercise signed forms.
+LOCALS = [_rng.getrandbits(63) | (i % 2) << 63 for i in range(6)]
+
+Path = tuple[int, ...]
+
+
+def external(worker: tuple[int, int], path: Path) -> int:
+    seed = 4242 if worker == ODD_SEED_WORKER else 1337
+    return sequence_hashes(path, seed)[-1]
+
+
+@dataclass
+class ModelWorker:
+    device: dict[Path, int] = field(default_factory=dict)  # chain -> its external hash
+    names: dict[int, Path] = field(default_factory=dict)  # external hash -> chain
+    lower: dict[str, dict[tuple[int | None, int], int]] = field(default_factory=dict)
+    lower_names: dict[str, dict[int, tuple[int | None, int]]] = field(default_factory=dict)
+
+    def store(self, parent: int | None, hashes: list[int], locals_: list[int], tier: str) -> StoreStatus:
+        if len(set(hashes)) != len(hashes) or parent in hashes:
+            return StoreStatus.SELF_REFERENCE
+        if tier == "device":
+            return self._store_device(parent, hashes, locals_)
+        transitions = self.lower.setdefault(tier, {})
+        names = self.lower_names.setdefault(tier, {})
+        keys = list(zip([parent, *hashes[:-1]], locals_))
+        if any(names.get(h, key) != key for h, key in zip(hashes, keys)):
+            return StoreStatus.HASH_CONFLICT
+        for h, key in zip(hashes, keys):
+            if h not in names and key not in transitions:
+                transitions[key] = h
+                names[h] = key
+        return StoreStatus.STORED
+
+    def _store_device(self, parent: int | None, hashes: list[int], locals_: list[int]) -> StoreStatus:
+        if parent is None:
+            base: Path = ()
+        elif parent in self.names:
+            base = self.names[parent]
+        else:
+            return StoreStatus.UNKNOWN_PARENT
+        paths = [base + tuple(locals_[: i + 1]) for i in range(len(locals_))]
+        if any(self.names.get(h, path) != path for h, path in zip(hashes, paths)):
+            return StoreStatus.HASH_CONFLICT
+        for h, path in zip(hashes, paths):
+            if path not in self.device:
+                self.device[path] = h
+                self.names[h] = path
+        return StoreStatus.STORED
+
+    def remove(self, hashes: list[int], tier: str) -> int:
+        unknown = 0
+        for h in hashes:
+            if tier == "device":
+                path = self.names.pop(h, None)
+                if path is None:
+                    unknown += 1
+                else:
+                    del self.device[path]
+            else:
+                key = self.lower_names.get(tier, {}).pop(h, None)
+                if key is None:
+                    unknown += 1
+                else:
+                    del self.lower[tier][key]
+        return unknown
+
+    def reaches(self, path: Path) -> bool:
+        """Whether every prefix of `path` is covered, i.e. it counts for queries."""
+        return all(path[:i] in self.device for i in range(1, len(path) + 1))
+
+    def score(self, query: list[int]) -> int:
+        k = 0
+        while k < len(query) and tuple(query[: k + 1]) in self.device:
+            k += 1
+        return k
+
+
+def model_match(workers: dict[tuple[int, int], ModelWorker], query: list[int]) -> tuple[dict, dict, dict]:
+    device = {key: w.score(query) for key, w in workers.items()}
+    state = {key: (k, w.device[tuple(query[:k])]) for key, w in workers.items() if (k := device[key])}
+    gained: dict[str, dict] = {tier: {} for tier in LOWER_TIERS}
+    for tier in LOWER_TIERS:
+        for key, w in workers.items():
+            transitions = w.lower.get(tier, {})
+            if key not in state and query and (None, query[0]) in transitions:
+                state[key] = (0, None)
+            if key not in state:
+                continue
+            start, parent = state[key]
+            position = start
+            while position < len(query) and (parent, query[position]) in transitions:
+                parent = transitions[(parent, query[position])]
+                position += 1
+            if position > start:
+                gained[tier][key] = position - start
+                state[key] = (position, parent)
+    disk = {}
+    for key in workers:
+        total = gained["disk"].get(key, 0) + gained["external"].get(key, 0)
+        if total:
+            disk[key] = total
+    return {k: v for k, v in device.items() if v}, gained["host_pinned"], disk
+
+
+class IndexModel(RuleBasedStateMachine):
+    @initialize(
+        prompts=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=7), min_size=2, max_size=5)
+    )
+    def setup(self, prompts: list[list[int]]) -> None:
+        # Prompts grow from one another so that they share prefixes, as chat turns do.
+        self.prompts: list[list[int]] = []
+        for content in prompts:
+            base = self.prompts[len(content) % len(self.prompts)] if self.prompts else []
+            self.prompts.append(base[: len(content) // 2] + [LOCALS[c] for c in content])
+        self.tree = PrefixTree()
+        self.model: dict[tuple[int, int], ModelWorker] = {}
+
+    def _worker(self, key: tuple[int, int]) -> ModelWorker:
+        return self.model.setdefault(key, ModelWorker())
+
+    def _apply_store(
+        self, key: tuple[int, int], parent: int | None, hashes: list[int], locals_: list[int], tier: str
+    ) -> None:
+        expected = self._worker(key).store(parent, hashes, locals_, tier)
+        assert self.tree.store(key, parent, hashes, locals_, tier) is expected
+
+    def _names(self, key: tuple[int, int], prompt: list[int], end: int) -> list[int]:
+        return [external(key, tuple(prompt[: i + 1])) for i in range(end)]
+
+    @rule(
+        key=st.sampled_from(WORKERS),
+        which=st.integers(0, 10),
+        length=st.integers(1, 8),
+        rename=st.sampled_from([0, 0, 0, 1]),
+    )
+    def continue_prompt(self, key: tuple[int, int], which: int, length: int, rename: int) -> None:
+        """What an engine does: store the next blocks of a prompt after the prefix it holds.
+        `rename` gives the blocks other names than before (held blocks keep their first)."""
+        prompt = self.prompts[which % len(self.prompts)]
+        start = min(self._worker(key).score(prompt), len(prompt) - 1)
+        end = min(len(prompt), start + length)
+        names = self._names(key, prompt, end)
+        parent = names[start - 1] if start else None
+        self._apply_store(key, parent, [name ^ rename for name in names[start:end]], prompt[start:end], "device")
+
+    @rule(
+        key=st.sampled_from(WORKERS),
+        which=st.integers(0, 10),
+        start=st.integers(0, 8),
+        length=st.integers(1, 8),
+        tier=st.sampled_from(TIERS),
+        rename=st.sampled_from([0, 0, 0, 1]),
+    )
+    def store_slice(
+        self, key: tuple[int, int], which: int, start: int, length: int, tier: str, rename: int
+    ) -> None:
+        """prompt[start:start+length] under the chain before it, held or not (offloads to the
+        lower tiers look like this; on the device tier an unheld parent is refused)."""
+        prompt = self.prompts[which % len(self.prompts)]
+        start = min(start, len(prompt) - 1)
+        end = min(len(prompt), start + length)
+        names = self._names(key, prompt, end)
+        stored = [name ^ rename for name in names[start:end]]
+        self._apply_store(key, names[start - 1] if start else None, stored, prompt[start:end], tier)
+
+    @rule(
+        key=st.sampled_from(WORKERS),
+        pick=st.integers(0, 10_000),
+        length=st.integers(1, 3),
+        rename=st.sampled_from([0, 1]),
+    )
+    def extend_below_a_gap(self, key: tuple[int, int], pick: int, length: int, rename: int) -> None:
+        """Store under a device block the worker holds below a removed block (any held block
+        when there is none), renaming or not blocks it may already hold there."""
+        worker = self._worker(key)
+        inner = {tuple(prompt[:i]) for prompt in self.prompts for i in range(1, len(prompt))}
+        extendable = {name: path for name, path in worker.names.items() if path in inner}
+        below_gap = [name for name, path in extendable.items() if not worker.reaches(path)]
+        candidates = sorted(below_gap or extendable)
+        if not candidates:
+            return
+        parent = candidates[pick % len(candidates)]
+        base = worker.names[parent]
+        prompt = next(p for p in self.prompts if len(p) > len(base) and tuple(p[: len(base)]) == base)
+        end = min(len(prompt), len(base) + length)
+        names = [name ^ rename for name in self._names(key, prompt, end)[len(base) :]]
+        self._apply_store(key, parent, names, prompt[len(base) : end], "device")
+
+    @rule(key=st.sampled_from(WORKERS), pick=st.integers(0, 10_000), count=st.integers(1, 4))
+    def evict_tail_first(self, key: tuple[int, int], pick: int, count: int) -> None:
+        """Evict the last `count` blocks of one of the worker's chains, deepest first."""
+        worker = self._worker(key)
+        inner = {path[:-1] for path in worker.device}
+        leaves = sorted(path for path in worker.device if path not in inner)
+        if not leaves:
+            return
+        leaf = leaves[pick % len(leaves)]
+        doomed = [worker.device[leaf[:i]] for i in range(len(leaf), 0, -1) if leaf[:i] in worker.device][:count]
+        assert worker.remove(doomed, "device") == 0
+        assert self.tree.remove(key, doomed) == 0
+
+    @rule(key=st.sampled_from(WORKERS), pick=st.integers(0, 10_000), tier=st.sampled_from(TIERS))
+    def evict_one_anywhere(self, key: tuple[int, int], pick: int, tier: str) -> None:
+        """Mid-chain eviction: a held block with held blocks below it, else any held block."""
+        worker = self._worker(key)
+        if tier == "device":
+            inner = {path[:-1] for path in worker.device}
+            names = sorted(name for name, path in worker.names.items() if path in inner) or sorted(worker.names)
+        else:
+            names = sorted(worker.lower_names.get(tier, {}))
+        if not names:
+            return
+        doomed = [names[pick % len(names)]]
+        assert worker.remove(doomed, tier) == 0
+        assert self.tree.remove(key, doomed, tier) == 0
+
+    @rule(
+        key=st.sampled_from(WORKERS),
+        pick=st.integers(0, 10_000),
+        length=st.integers(1, 3),
+        rename=st.sampled_from([0, 1]),
+    )
+    def evict_mid_chain_then_extend_below(self, key: tuple[int, int], pick: int, length: int, rename: int) -> None:
+        """The sequence that exercises blocks held below a gap, which random steps rarely hit."""
+        self.evict_one_anywhere(key, pick, "device")
+        self.extend_below_a_gap(key, pick // 7, length, rename)
+
+    @rule(key=st.sampled_from(WORKERS), hashes=st.lists(st.integers(0, 2**64 - 1), max_size=3))
+    def remove_unknown(self, key: tuple[int, int], hashes: list[int]) -> None:
+        expected = self._worker(key).remove(hashes, "device")
+        assert self.tree.remove(key, hashes) == expected
+
+    @rule(key=st.sampled_from(WORKERS), which=st.integers(0, 10), tier=st.sampled_from(TIERS))
+    def store_bad_chain(self, key: tuple[int, int], which: int, tier: str) -> None:
+        """A repeated hash, or the worker's hashes in a scrambled order (a name reused)."""
+        prompt = self.prompts[which % len(self.prompts)]
+        names = [external(key, tuple(prompt[: i + 1])) for i in range(len(prompt))]
+        self._apply_store(key, None, [names[0], names[0]], prompt[:1] * 2, tier)
+        self._apply_store(key, None, names[::-1], prompt, tier)
+
+    @rule(key=st.sampled_from(WORKERS))
+    def clear(self, key: tuple[int, int]) -> None:
+        self.model.pop(key, None)
+        self.tree.clear(key)
+
+    @rule(key=st.sampled_from(WORKERS))
+    def drop(self, key: tuple[int, int]) -> None:
+        self.model.pop(key, None)
+        self.tree.drop_worker(key)
+
+    @invariant()
+    def answers_match_the_model(self) -> None:
+        for prompt in self.prompts:
+            for query in (prompt, prompt[:-1] + [LOCALS[0] ^ 1]):
+                device, host, disk = model_match(self.model, query)
+                result = self.tree.match(query)
+                assert result.device == device, (query, self.model)
+                assert result.host_pinned == host
+                assert result.disk == disk
+            assert self.tree.match(to_signed_list(prompt)) == self.tree.match(prompt)
+
+    @invariant()
+    def block_counts_match(self) -> None:
+        for key in WORKERS:
+            worker = self.model.get(key, ModelWorker())
+            assert self.tree.block_count(key) == len(worker.device)
+            for tier in LOWER_TIERS:
+                assert self.tree.block_count(key, tier) == len(worker.lower.get(tier, {}))
+
+    @invariant()
+    def tree_is_tidy(self) -> None:
+        """Masks are prefix-closed, nothing nobody holds is kept, and dormant entries are real."""
+        stack = [self.tree.root]
+        while stack:
+            node = stack.pop()
+            child = node.child
+            children = [] if child is None else [child] if isinstance(child, Node) else list(child.values())
+            if isinstance(child, dict):
+                assert len(child) > 1
+            for c in children:
+                assert c.parent is node
+                if node is not self.tree.root:
+                    assert c.holders & ~node.holders == 0
+                assert c.holders or c.child is not None or c in self.tree.dormant
+                assert not self.tree.dormant.get(c, 0) & c.holders
+            stack.extend(children)
+
+    @invariant()
+    def dump_replays_to_the_same_answers(self) -> None:
+        copy = PrefixTree()
+        for event in self.tree.dump():
+            data = event.data
+            assert isinstance(data, Stored)
+            key = (event.worker_id, event.dp_rank)
+            status = copy.store(key, data.parent_hash, data.block_hashes, data.tokens_hashes, event.storage_tier)
+            assert status is StoreStatus.STORED
+        for prompt in self.prompts:
+            assert copy.match(prompt) == self.tree.match(prompt)
+
+
+IndexModel.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestIndexModel = IndexModel.TestCase
