@@ -73,3 +73,51 @@ def test_busy_thresholds_exclude_ranks_and_all_busy_raises() -> None:
 def test_config_rejects_nonsense(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         RouterConfig(**kwargs)
+
+
+def test_router_prefers_the_worker_holding_the_prefix_and_books_it() -> None:
+    import asyncio
+
+    import httpx
+
+    from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+    from dynamo_lite.hashing import local_block_hashes, sequence_hashes
+    from dynamo_lite.indexer.app import create_app as create_indexer
+    from dynamo_lite.routing import KvRouter
+    from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
+
+    def in_process(app) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://service")
+
+    async def scenario() -> None:
+        slot_app, indexer_app = create_slot_tracker(), create_indexer()
+        async with AsyncSlotTrackerClient(client=in_process(slot_app)) as slots, \
+                AsyncIndexerClient(client=in_process(indexer_app)) as indexer:
+            router = KvRouter(slots, indexer, block_size=BLOCK, seed=1)
+            tokens = list(range(BLOCK * 8))
+            local, chained = router.hashes_for(tokens)
+            for worker in (1, 2, 3):
+                await slots.register(worker, "m", BLOCK)
+            assert (await router.select("m", isl_tokens=len(tokens), local_hashes=local,
+                                        sequence_hashes=chained)).chosen.cached_tokens == 0  # 404: nothing cached
+            unsigned = local_block_hashes(tokens, BLOCK)
+            externals = sequence_hashes(unsigned)
+            await indexer.events({"m:default": {"block_size": BLOCK, "events": [
+                {"worker_id": 2, "event": {"event_id": 0, "dp_rank": 0, "data": {"stored": {
+                    "parent_hash": None, "blocks": [{"block_hash": e, "tokens_hash": h}
+                                                    for e, h in zip(externals[:6], unsigned[:6])]}}}}]}})
+            decision = await router.select("m", isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained)
+            assert (decision.worker_id, decision.chosen.cached_tokens) == (2, 6 * BLOCK)
+            assert {c.worker_id: c.prefill_tokens for c in decision.costs} == {1: 128, 2: 32, 3: 128}
+            handle = await router.commit(decision, "req-1")
+            loads = {(l.worker_id, l.dp_rank): l for l in await slots.loads()}
+            assert (loads[(2, 0)].active_prefill_tokens, loads[(2, 0)].active_decode_blocks) == (32, 8)
+            await handle.prefill_complete()
+            await handle.free()
+            assert all(l.active_decode_blocks == 0 for l in await slots.loads())
+            overridden = await router.select("m", isl_tokens=len(tokens), local_hashes=local,
+                                             sequence_hashes=chained, overlap_score_weight=0.0)
+            assert overridden.config.overlap_score_weight == 0.0
+            assert all(c.cost == c.decode_blocks for c in overridden.costs)
+
+    asyncio.run(scenario())

@@ -1,0 +1,99 @@
+"""Cost of the indexer core (no HTTP): memory per indexed block, ingest rate, query time.
+
+    python -m bench.indexer_core [--blocks 1000000]
+
+Memory is counted with tracemalloc (Python objects the index keeps, hashes included) and as
+the growth of the process RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import time
+import tracemalloc
+
+from dynamo_lite.indexer.protocols import parse_events_document
+from dynamo_lite.indexer.state import Indexer
+from dynamo_lite.indexer.tree import PrefixTree
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_one_worker(blocks: int, *, traced: bool, chain: int = 64) -> float:
+    """Bytes per block in the worst case: every block held by one worker, nothing shared.
+    `traced`: count with tracemalloc (which itself inflates RSS), else by RSS growth."""
+    rng = random.Random(7)
+    tree = PrefixTree()
+    gc.collect()
+    rss_before = rss_bytes()
+    if traced:
+        tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for _ in range(blocks // chain):
+        tree.store((1, 0), None, [rng.getrandbits(64) for _ in range(chain)], [rng.getrandbits(64) for _ in range(chain)])
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base if traced else rss_bytes() - rss_before
+    tracemalloc.stop()
+    return used / blocks
+
+
+def ingest_rate(blocks: int, batch: int = 64, workers: int = 16) -> float:
+    """Blocks per second through parse + apply, 64-block stored events from 16 workers."""
+    rng = random.Random(11)
+    documents = []
+    event_ids = [0] * workers
+    tails: list[int | None] = [None] * workers
+    for i in range(blocks // batch):
+        worker = i % workers
+        externals = [rng.getrandbits(64) for _ in range(batch)]
+        event = {"worker_id": worker, "event": {"event_id": event_ids[worker], "dp_rank": 0, "data": {"stored": {
+            "parent_hash": tails[worker], "blocks": [
+                {"block_hash": e, "tokens_hash": rng.getrandbits(64)} for e in externals]}}}}
+        event_ids[worker] += 1
+        tails[worker] = externals[-1] if rng.random() < 0.8 else None
+        documents.append({"bench:default": {"block_size": 16, "events": [event]}})
+    indexer = Indexer()
+    started = time.perf_counter()
+    for document in documents:
+        indexer.apply_events(parse_events_document(document))
+    return blocks / (time.perf_counter() - started)
+
+
+def query_time(workers: int = 16, length: int = 512) -> float:
+    """Microseconds for a 512-hash query that every one of 16 workers holds 256..512 deep."""
+    rng = random.Random(3)
+    chain = [rng.getrandbits(64) for _ in range(length)]
+    indexer = Indexer()
+    events = []
+    for worker in range(workers):
+        depth = rng.randint(length // 2, length)
+        events.append({"worker_id": worker, "event": {"event_id": 0, "dp_rank": 0, "data": {"stored": {
+            "parent_hash": None, "blocks": [{"block_hash": (worker << 20) + i, "tokens_hash": h}
+                                            for i, h in enumerate(chain[:depth])]}}}})
+    indexer.apply_events(parse_events_document({"bench:default": {"block_size": 16, "events": events}}))
+    runs = 2000
+    started = time.perf_counter()
+    for _ in range(runs):
+        indexer.query("bench", "default", chain)
+    return (time.perf_counter() - started) / runs * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    args = parser.parse_args()
+    rss = memory_one_worker(args.blocks, traced=False)
+    traced = memory_one_worker(args.blocks, traced=True)
+    print(f"memory, {args.blocks} blocks on one worker: {traced:.0f} B/block (tracemalloc), {rss:.0f} B/block (RSS)")
+    print(f"ingest, 64-block stored events, 16 workers: {ingest_rate(min(args.blocks, 500_000)):,.0f} blocks/s")
+    print(f"query, 512 hashes, 16 workers: {query_time():.1f} us")
+
+
+if __name__ == "__main__":
+    main()
