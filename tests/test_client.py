@@ -50,3 +50,38 @@ def test_transport_failures_are_service_call_errors() -> None:
     with SlotTrackerClient("http://127.0.0.1:9", timeout=0.5) as client, pytest.raises(ServiceCallError) as failure:
         client.loads()
     assert failure.value.status == 0
+
+
+def test_async_indexer_client_round_trip() -> None:
+    from dynamo_lite.client import AsyncIndexerClient, OverlapScores
+    from dynamo_lite.hashing import local_block_hashes, to_signed
+    from dynamo_lite.indexer.app import create_app as create_indexer
+
+    tokens = list(range(1, 65))
+    local = local_block_hashes(tokens, 16)
+
+    async def scenario() -> None:
+        async with AsyncIndexerClient(client=in_process(create_indexer())) as client:
+            await client.health()
+            await client.register(7, "llama", 16, endpoint="tcp://engine:5557")
+            report = await client.events({"llama:default": {"block_size": 16, "events": [
+                {"worker_id": 7, "event": {"event_id": 0, "dp_rank": 0, "data": {"stored": {
+                    "parent_hash": None, "blocks": [{"block_hash": 100 + i, "tokens_hash": h}
+                                                    for i, h in enumerate(local)]}}}}]}})
+            assert report["applied"] == 1
+            by_hash = await client.query_by_hash("llama", [to_signed(h) for h in local])
+            assert isinstance(by_hash, OverlapScores) and by_hash.scores == {(7, 0): 64}
+            assert by_hash.instances[7]["gpu"] == 64
+            assert (await client.query("llama", tokens)).scores == {(7, 0): 64}
+            assert (await client.query("llama", tokens, lora_name="my-lora")).scores == {}
+            assert [w["instance_id"] for w in await client.workers(model_name="llama")] == [7]
+            assert list(await client.dump()) == ["llama:default"]
+            await client.register_peer("http://peer:8090")
+            assert await client.peers() == ["http://peer:8090"]
+            await client.deregister_peer("http://peer:8090")
+            await client.unregister(7, "llama", dp_rank=0)
+            with pytest.raises(ServiceCallError) as failure:
+                await client.query_by_hash("llama", [])
+            assert failure.value.status == 404
+
+    asyncio.run(scenario())
