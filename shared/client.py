@@ -122,17 +122,16 @@ def _filters(model_name: str | None, tenant_id: str | None) -> dict[str, str]:
     return params
 
 
-class AsyncSlotTrackerClient:
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:8091",
-        *,
-        timeout: float = DEFAULT_TIMEOUT_SECS,
-        client: httpx.AsyncClient | None = None,
-    ) -> None:
+_C = TypeVar("_C", bound="_AsyncServiceClient")
+
+
+class _AsyncServiceClient:
+    """Connection pool and lifecycle shared by both async clients."""
+
+    def __init__(self, base_url: str, *, timeout: float, client: httpx.AsyncClient | None) -> None:
         self._transport = _Transport(base_url, timeout, client)
 
-    async def __aenter__(self) -> AsyncSlotTrackerClient:
+    async def __aenter__(self: _C) -> _C:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -143,6 +142,17 @@ class AsyncSlotTrackerClient:
 
     async def health(self) -> None:
         await self._transport.call("GET", "/health")
+
+
+class AsyncSlotTrackerClient(_AsyncServiceClient):
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8091",
+        *,
+        timeout: float = DEFAULT_TIMEOUT_SECS,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(base_url, timeout=timeout, client=client)
 
     async def register(
         self,
@@ -214,7 +224,7 @@ class AsyncSlotTrackerClient:
         return [PotentialLoad(**item) for item in items]
 
 
-class AsyncIndexerClient:
+class AsyncIndexerClient(_AsyncServiceClient):
     def __init__(
         self,
         base_url: str = "http://127.0.0.1:8090",
@@ -222,19 +232,7 @@ class AsyncIndexerClient:
         timeout: float = DEFAULT_TIMEOUT_SECS,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        self._transport = _Transport(base_url, timeout, client)
-
-    async def __aenter__(self) -> AsyncIndexerClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self._transport.aclose()
-
-    async def health(self) -> None:
-        await self._transport.call("GET", "/health")
+        super().__init__(base_url, timeout=timeout, client=client)
 
     async def register(
         self,

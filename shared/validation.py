@@ -19,7 +19,8 @@ I64_MAX: Final = 2**63 - 1
 _MISSING: Final = object()
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
+    """How an error message names a decoded JSON value's type."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -39,7 +40,7 @@ def _describe(value: Any) -> str:
 
 def expect_object(body: Any, what: str) -> dict[str, Any]:
     if type(body) is not dict:
-        raise InvalidShape(f"invalid type: {_describe(body)}, expected a JSON object ({what})")
+        raise InvalidShape(f"invalid type: {describe(body)}, expected a JSON object ({what})")
     return body
 
 
@@ -50,7 +51,7 @@ def string(body: dict[str, Any], name: str, default: Any = _MISSING) -> str:
             raise InvalidShape(f"missing field `{name}`")
         return default  # type: ignore[no-any-return]
     if type(value) is not str:
-        raise InvalidShape(f"{name}: invalid type: {_describe(value)}, expected a string")
+        raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected a string")
     return value
 
 
@@ -60,7 +61,7 @@ def optional_string(body: dict[str, Any], name: str) -> str | None:
     if value is None:
         return None
     if type(value) is not str:
-        raise InvalidShape(f"{name}: invalid type: {_describe(value)}, expected a string")
+        raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected a string")
     return value
 
 
@@ -71,7 +72,7 @@ def _bounded_int(body: dict[str, Any], name: str, low: int, high: int, kind: str
             raise InvalidShape(f"missing field `{name}`")
         return default  # type: ignore[no-any-return]
     if type(value) is not int:
-        raise InvalidShape(f"{name}: invalid type: {_describe(value)}, expected {kind}")
+        raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected {kind}")
     if not low <= value <= high:
         raise InvalidShape(f"{name}: invalid value: integer `{value}`, expected {kind}")
     return value
@@ -92,13 +93,13 @@ def i64_list(body: dict[str, Any], name: str) -> list[int]:
         raise InvalidShape(f"missing field `{name}`")
     if type(value) is not list:
         raise InvalidShape(
-            f"{name}: invalid type: {_describe(value)}, expected an array of signed 64-bit integers"
+            f"{name}: invalid type: {describe(value)}, expected an array of signed 64-bit integers"
         )
     if not value:
         return value
     if set(map(type, value)) != {int}:
         index, bad = next((i, v) for i, v in enumerate(value) if type(v) is not int)
-        raise InvalidShape(f"{name}[{index}]: invalid type: {_describe(bad)}, expected i64")
+        raise InvalidShape(f"{name}[{index}]: invalid type: {describe(bad)}, expected i64")
     # orjson decodes integers below -2**63 as floats, rejected above, so only the top needs a pass.
     if max(value) > I64_MAX:
         index, bad = next((i, v) for i, v in enumerate(value) if not I64_MIN <= v <= I64_MAX)
@@ -112,12 +113,12 @@ def u32_list(body: dict[str, Any], name: str) -> list[int]:
     if value is _MISSING:
         raise InvalidShape(f"missing field `{name}`")
     if type(value) is not list:
-        raise InvalidShape(f"{name}: invalid type: {_describe(value)}, expected an array of u32")
+        raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected an array of u32")
     if not value:
         return value
     if set(map(type, value)) != {int}:
         index, bad = next((i, v) for i, v in enumerate(value) if type(v) is not int)
-        raise InvalidShape(f"{name}[{index}]: invalid type: {_describe(bad)}, expected u32")
+        raise InvalidShape(f"{name}[{index}]: invalid type: {describe(bad)}, expected u32")
     if min(value) < 0 or max(value) > U32_MAX:
         index, bad = next((i, v) for i, v in enumerate(value) if not 0 <= v <= U32_MAX)
         raise InvalidShape(f"{name}[{index}]: invalid value: integer `{bad}`, expected u32")
@@ -129,10 +130,10 @@ def tenant(body: dict[str, Any]) -> str:
     tenant_id = body.get("tenant_id", _MISSING)
     routing_group = body.get("routing_group", _MISSING)
     if tenant_id is not _MISSING and type(tenant_id) is not str:
-        raise InvalidShape(f"tenant_id: invalid type: {_describe(tenant_id)}, expected a string")
+        raise InvalidShape(f"tenant_id: invalid type: {describe(tenant_id)}, expected a string")
     if routing_group is not _MISSING and type(routing_group) is not str:
         raise InvalidShape(
-            f"routing_group: invalid type: {_describe(routing_group)}, expected a string"
+            f"routing_group: invalid type: {describe(routing_group)}, expected a string"
         )
     return resolve_tenant(
         None if tenant_id is _MISSING else tenant_id,

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
+from http_support import JSON, assert_error, post
 from starlette.testclient import TestClient
 
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
 from dynamo_lite.indexer.app import create_app
 
-JSON = {"content-type": "application/json"}
 TOKENS = list(range(1, 65))
 LOCAL = local_block_hashes(TOKENS, 16)  # the reference's range(1, 65) / 16 vector
 
@@ -22,17 +21,8 @@ def client() -> Iterator[TestClient]:
         yield client
 
 
-def post(client: TestClient, path: str, body: object, headers: dict[str, str] = JSON):
-    return client.post(path, content=json.dumps(body), headers=headers)
 
 
-def assert_error(response, status: int, message: str | None = None) -> None:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == "application/json"
-    body = response.json()
-    assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"]
-    if message is not None:
-        assert body["error"] == message
 
 
 def stored(worker: int, event_id: int, externals: list[int], locals_: list[int], parent: int | None = None,

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import orjson
 import pytest
+from http_support import JSON, assert_error, post
 from starlette.testclient import TestClient
 
 from dynamo_lite.slot_tracker.app import create_app
 
-JSON = {"content-type": "application/json"}
 REGISTER = {"worker_id": 7, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 2}
 
 
@@ -21,17 +20,8 @@ def client() -> Iterator[TestClient]:
         yield client
 
 
-def post(client: TestClient, path: str, body: object, headers: dict[str, str] = JSON):
-    return client.post(path, content=json.dumps(body), headers=headers)  # stdlib: any int size
 
 
-def assert_error(response, status: int, message: str | None = None) -> None:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == "application/json"
-    body = response.json()
-    assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"]
-    if message is not None:
-        assert body["error"] == message
 
 
 def test_health_is_empty_200(client: TestClient) -> None:

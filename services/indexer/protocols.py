@@ -38,6 +38,7 @@ from typing import Any, Final, Literal, NoReturn, Union
 import orjson
 
 from dynamo_lite.errors import InvalidShape
+from dynamo_lite.validation import describe
 from dynamo_lite.hashing import I64_MIN, U64_MAX, to_unsigned, to_unsigned_list
 
 U32_MAX: Final = 2**32 - 1
@@ -118,7 +119,7 @@ def parse_events_document(document: Any) -> list[PartitionEvents]:
     if type(document) is not dict:
         raise InvalidShape(
             f"expected a JSON object mapping \"<model_name>:<tenant_id>\" to "
-            f"{{\"block_size\", \"events\"}}, got {_describe(document)}"
+            f"{{\"block_size\", \"events\"}}, got {describe(document)}"
         )
     return [_parse_partition(key, section) for key, section in document.items()]
 
@@ -129,7 +130,7 @@ def _parse_partition(key: str, section: Any) -> PartitionEvents:
     if not colon:
         raise InvalidShape(f'{where}: a partition key is written "<model_name>:<tenant_id>"')
     if type(section) is not dict:
-        raise InvalidShape(f"{where}: expected an object with block_size and events, got {_describe(section)}")
+        raise InvalidShape(f"{where}: expected an object with block_size and events, got {describe(section)}")
     if "error" in section and "events" not in section:
         raise InvalidShape(f"{where}: the dump of this partition failed: {section['error']!r}")
     block_size = section.get("block_size", _MISSING)
@@ -273,25 +274,7 @@ def _quote(key: str) -> str:
 def _bad(path: str, expected: str, value: Any) -> NoReturn:
     if value is _MISSING:
         raise InvalidShape(f"{path}: missing field")
-    raise InvalidShape(f"{path}: expected {expected}, got {_describe(value)}")
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return f"integer {value}"
-    if isinstance(value, float):
-        return "floating point number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    raise InvalidShape(f"{path}: expected {expected}, got {describe(value)}")
 
 
 # --- serializing -----------------------------------------------------------------------------
