@@ -20,6 +20,7 @@ from urllib.parse import parse_qsl
 
 import orjson
 import yaml
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -263,6 +264,33 @@ async def server_error_handler(request: Request, exc: Exception) -> Response:
 
 
 EXCEPTION_HANDLERS = {HTTPException: http_exception_handler, Exception: server_error_handler}
+
+
+class Service(Starlette):
+    """A Starlette app whose own JSON routes skip Starlette's per-request machinery.
+
+    A request whose exact path and method belong to one of this module's endpoints (which turn
+    every failure into a JSON answer themselves) is handed straight to it: no middleware stack,
+    no route matching. Everything else (unknown paths, wrong methods, lifespan) takes the
+    ordinary Starlette path, so 404/405 answers and start-up/shutdown are unchanged.
+    """
+
+    def __init__(self, *, routes: list[Route], **kwargs: Any) -> None:
+        super().__init__(routes=routes, exception_handlers=EXCEPTION_HANDLERS, **kwargs)
+        self.router.redirect_slashes = False  # paths match exactly, as in Dynamo: /health/ is a 404
+        self._direct = {
+            route.path: (frozenset(route.methods or ()), route.endpoint)
+            for route in routes
+            if isinstance(route.endpoint, (JsonBodyEndpoint, JsonQueryEndpoint, StaticEndpoint))
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            direct = self._direct.get(scope["path"])
+            if direct is not None and scope["method"] in direct[0]:
+                await direct[1](scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 __all__ = [

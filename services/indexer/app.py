@@ -133,7 +133,7 @@ def create_app(
         await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
         yield
 
-    app = Starlette(
+    app = http.Service(
         routes=[
             http.health_route(),
             http.post("/register", routes.register),
@@ -148,10 +148,8 @@ def create_app(
             http.post("/deregister_peer", routes.deregister_peer),
             http.openapi_route(OPENAPI_PATH),
         ],
-        exception_handlers=http.EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
-    app.router.redirect_slashes = False
     app.state.indexer = indexer
     app.state.peers = peer_list
     return app

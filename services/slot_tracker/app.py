@@ -137,7 +137,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
 
-    app = Starlette(
+    app = http.Service(
         routes=[
             http.health_route(),
             http.post("/register", routes.register),
@@ -150,9 +150,7 @@ def create_app(
             http.post("/potential_loads", routes.potential_loads),
             http.openapi_route(OPENAPI_PATH),
         ],
-        exception_handlers=http.EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
-    app.router.redirect_slashes = False  # paths match exactly, as in Dynamo: /health/ is a 404
     app.state.tracker = tracker
     return app
