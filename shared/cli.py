@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -47,6 +48,19 @@ def configure_logging(level: str) -> None:
     )
 
 
+def tune_garbage_collector() -> None:
+    """Collect the young generation far less often.
+
+    Both cores free what they drop by reference counting (the index tree unlinks parent and
+    child when it prunes), so frequent cyclic collections only rescan a large, long-lived heap:
+    with the default thresholds they cost a third of the indexer's event ingest (core
+    benchmark, separate processes: 480k-590k blocks/s by default, 750k-940k tuned).
+    Objects alive at start-up are frozen out of collection altogether.
+    """
+    gc.set_threshold(50_000, 20, 100)
+    gc.freeze()
+
+
 def _exit_cleanly(signum: int, frame: object) -> None:
     sys.exit(0)
 
@@ -59,6 +73,7 @@ def serve(app: ASGIApp, args: argparse.Namespace) -> None:
     """
     signal.signal(signal.SIGINT, _exit_cleanly)
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    tune_garbage_collector()
     uvicorn.run(
         app,
         host=args.host,
