@@ -17,6 +17,9 @@ from typing import Any, Generic, TypeVar
 import httpx
 import orjson
 
+# The slot tracker's answer rows are the core's own types: one definition of the wire shape.
+from .slot_tracker.core import PotentialLoad, RankLoad, WorkerInfo
+
 DEFAULT_TIMEOUT_SECS = 5.0
 DEFAULT_TENANT = "default"
 
@@ -32,35 +35,6 @@ class ServiceCallError(Exception):
         self.message = message
         self.method = method
         self.path = path
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    worker_id: int
-    model_name: str
-    tenant_id: str
-    block_size: int
-    dp_start: int
-    dp_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class RankLoad:
-    model_name: str
-    tenant_id: str
-    worker_id: int
-    dp_rank: int
-    active_prefill_tokens: int
-    active_decode_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class PotentialLoad:
-    worker_id: int
-    dp_rank: int
-    potential_prefill_tokens: int
-    potential_decode_blocks: int
-    active_requests: int
 
 
 @dataclass(frozen=True, slots=True)
