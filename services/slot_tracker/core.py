@@ -15,9 +15,9 @@ TTL is the same for all), so expiry pops from the front and never scans.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from itertools import groupby, repeat
+from itertools import repeat
 from dataclasses import dataclass, field
 
 from sortedcontainers import SortedDict
@@ -371,14 +371,14 @@ def _release(tracker: Tracker, request: ActiveRequest) -> None:
 def _held_counts(holders: dict[int, int], sequence_hashes: Iterable[int]) -> dict[int, int]:
     """For each slot bit, how many query hashes that slot holds.
 
-    Walking a mask's bits is the costly step, so neighbours with equal masks are credited once
-    per run: a hash no rank holds (mask 0) and the many hashes held by exactly the same ranks
-    collapse at C speed inside `groupby`, whatever order the hashes come in.
+    Walking a mask's bits is the costly step, so hashes are first counted per holder mask (at C
+    speed, in `Counter`) and each distinct mask is walked once: a shared prefix held by the same
+    ranks costs one walk however long it is and in whatever order its hashes come.
     """
     held: dict[int, int] = {}
-    for mask, run in groupby(map(holders.get, sequence_hashes, repeat(0))):
+    for mask, count in Counter(map(holders.get, sequence_hashes, repeat(0))).items():
         if mask:
-            _credit(held, mask, len(list(run)))
+            _credit(held, mask, count)
     return held
 
 
