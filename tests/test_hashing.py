@@ -167,3 +167,10 @@ def test_blocks_hash_independently_like_a_plain_xxh3(
         for i in range(0, len(tokens) - block_size + 1, block_size)
     ]
     assert local_block_hashes(tokens, block_size, lora_name=lora_name, cache_salt=cache_salt) == expected
+
+
+@given(st.lists(st.integers(min_value=-(2**63), max_value=2**64 - 1), max_size=64))
+def test_list_conversions_agree_with_the_scalar_ones(values: list[int]) -> None:
+    # to_unsigned_list has a fast path for all-i64 lists; both paths must match the scalar rule.
+    assert to_unsigned_list(values) == [to_unsigned(v) for v in values]
+    assert to_signed_list(values) == [to_signed(v) for v in values]
