@@ -1,17 +1,32 @@
-"""Command-line plumbing shared by both services: common flags, logging, and serving."""
+"""Command-line plumbing shared by both services: common flags, environment, logging, serving.
+
+Every long option `--some-flag` can also be set by the environment variable
+`DYNAMO_LITE_SOME_FLAG` (see `parse_args`); a flag on the command line wins over it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import gc
-import logging
+import os
+import resource
 import signal
 import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
 
+from .http import Service
+from .logs import DEFAULT_TRACE_ID_HEADER, LOG_FORMATS, AccessLog
+from .logs import configure_logging as configure_logging
+from .protocol import BoundedHttpToolsProtocol
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+ENV_PREFIX = "DYNAMO_LITE_"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
 
 
 def service_parser(prog: str, description: str, default_port: int) -> argparse.ArgumentParser:
@@ -23,8 +38,61 @@ def service_parser(prog: str, description: str, default_port: int) -> argparse.A
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (no authentication: keep it on a trusted network)")
     parser.add_argument("--port", type=_port, default=default_port, help="TCP port to listen on")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="minimum level of log lines")
-    parser.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="text lines, or one JSON object per line")
+    parser.add_argument("--access-log", action="store_true",
+                        help="log one line per HTTP request (method, path, status, duration, client, trace id)")
+    parser.add_argument("--trace-id-header", default=DEFAULT_TRACE_ID_HEADER,
+                        help="request header whose value the access log records as the trace id")
     return parser
+
+
+def env_name(action: argparse.Action) -> str:
+    """`--request-ttl-secs` -> `DYNAMO_LITE_REQUEST_TTL_SECS`."""
+    return ENV_PREFIX + action.dest.upper()
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Namespace:
+    """`parser.parse_args(argv)` with each option's default taken from `DYNAMO_LITE_<DEST>`
+    when that variable is set, converted and checked like the flag's own value; a bad value
+    exits with status 2 and a message naming the variable. Flags given in `argv` win. Every
+    option's --help text names its variable."""
+    environ = os.environ if environ is None else environ
+    for action in parser._actions:
+        if not action.option_strings or action.dest == argparse.SUPPRESS or action.default == argparse.SUPPRESS:
+            continue  # positionals, --help, --version
+        name = env_name(action)
+        if action.help != argparse.SUPPRESS and name not in (action.help or ""):
+            action.help = f"{action.help or ''} [env {name}]".lstrip()
+        text = environ.get(name)
+        if text is not None:
+            action.default = _env_value(parser, action, name, text)
+    return parser.parse_args(argv)
+
+
+def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, text: str) -> Any:
+    if action.nargs == 0:  # store_true / store_false / store_const
+        flag = text.strip().lower()
+        if flag not in _TRUE | _FALSE:
+            parser.error(f"environment variable {name}={text!r}: expected one of 1, true, yes, on, 0, false, no, off")
+        if isinstance(action.const, bool) or isinstance(action, argparse.BooleanOptionalAction):
+            # the variable holds the value of `dest`
+            return flag in _TRUE
+        return action.const if flag in _TRUE else action.default
+    if action.nargs not in (None, "?"):
+        raise TypeError(f"{action.option_strings[0]} takes nargs={action.nargs!r}: not settable from {name}")
+    try:
+        value = action.type(text) if callable(action.type) else text
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+        parser.error(f"environment variable {name}={text!r}: {exc or 'invalid value'}")
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(repr, action.choices))
+        parser.error(f"environment variable {name}={text!r}: invalid choice (choose from {choices})")
+    return value
 
 
 def _port(text: str) -> int:
@@ -41,13 +109,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
 def tune_garbage_collector() -> None:
     """Collect the young generation far less often.
 
@@ -61,26 +122,50 @@ def tune_garbage_collector() -> None:
     gc.freeze()
 
 
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to the hard limit and return it.
+
+    Every client connection is a file descriptor; a soft limit of 1024 (systemd's default)
+    would refuse connections long before memory or CPU run out.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):  # e.g. macOS refuses RLIM_INFINITY: keep the soft limit
+            pass
+    return soft
+
+
 def _exit_cleanly(signum: int, frame: object) -> None:
     sys.exit(0)
 
 
 def serve(app: ASGIApp, args: argparse.Namespace) -> None:
-    """Run until SIGINT/SIGTERM; uvicorn stops accepting and drains in-flight requests first.
+    """Run until SIGINT/SIGTERM; uvicorn stops accepting, drains in-flight requests (up to
+    10 s), then runs the app's lifespan shutdown (the indexer's final snapshot) before exiting.
 
     After its graceful shutdown uvicorn re-raises the signal it caught, to the handlers that
     were in place before it started: these make that a normal exit with status 0.
     """
     signal.signal(signal.SIGINT, _exit_cleanly)
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    if args.access_log and isinstance(app, Service):
+        app.access_log = AccessLog(args.trace_id_header)  # ours, in place of uvicorn's
     tune_garbage_collector()
+    raise_open_file_limit()
     uvicorn.run(
         app,
+        http=BoundedHttpToolsProtocol,  # httptools, with a bound on request heads
         host=args.host,
         port=args.port,
         log_config=None,  # keep the root logger configured by configure_logging
         log_level=args.log_level,
-        access_log=args.access_log,
+        access_log=args.access_log and not isinstance(app, Service),
         server_header=False,
+        # No X-Forwarded-* rewriting: the services take no decision on the client's address,
+        # and the middleware is one more ASGI layer on every request.
+        proxy_headers=False,
         timeout_graceful_shutdown=10,
     )

@@ -7,25 +7,37 @@ response. Starlette still does the routing, HEAD handling and 404/405 decisions.
 
 Every failure, including unknown routes, wrong methods and unreadable bodies, is answered as
 `{"error": "..."}` with the status of the `ServiceError` kind that describes it.
+
+Every `Service` also serves `/metrics` (Prometheus text format, from its own registry) and
+`/ready` (503 until its lifespan's start-up part has returned), records each request's status
+and latency per route, and writes an access log line per request when enabled.
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
+import dataclasses
 import inspect
+import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from bisect import bisect_left
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
+from time import perf_counter
 from typing import Any, Union
 from urllib.parse import parse_qsl
 
 import orjson
 import yaml
+from prometheus_client import generate_latest
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from .errors import (
     MalformedRequest,
@@ -33,6 +45,8 @@ from .errors import (
     ServiceError,
     UnsupportedMediaType,
 )
+from .logs import AccessLog
+from .metrics import DISCONNECTED, UNMATCHED_ROUTE, RequestMetrics, new_registry
 
 logger = logging.getLogger("dynamo_lite.http")
 
@@ -51,7 +65,17 @@ class ClientDisconnected(Exception):
 
 
 def encode(payload: JsonPayload) -> bytes:
-    return orjson.dumps(payload)
+    try:
+        return orjson.dumps(payload)
+    except TypeError:
+        # orjson stops at 64-bit integers; token sums are exact by design and may pass 2**64.
+        return json.dumps(payload, default=_plain, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def error_body(message: str) -> bytes:
@@ -159,15 +183,24 @@ async def _call(handler: Callable[[Any], Any], argument: Any, is_async: bool) ->
     return handler(argument)  # type: ignore[no-any-return]
 
 
-async def _answer_failure(send: Send, exc: BaseException, head: bool) -> None:
+async def _answer_failure(send: Send, exc: BaseException, head: bool) -> int:
     if isinstance(exc, ServiceError):
         await send_bytes(send, exc.status, error_body(exc.message), head=head)
-        return
+        return exc.status
     logger.exception("unhandled error while serving a request")
     await send_bytes(send, 500, error_body("internal error; see the service log"), head=head)
+    return 500
 
 
-class JsonBodyEndpoint:
+class DirectEndpoint(abc.ABC):
+    """An ASGI endpoint that answers every request itself (failures included) and returns the
+    status it sent: `Service` dispatches to it directly and records that status."""
+
+    @abc.abstractmethod
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int: ...
+
+
+class JsonBodyEndpoint(DirectEndpoint):
     """ASGI endpoint of a POST route: bounded JSON body in, `handler(body) -> (status, payload)`."""
 
     def __init__(self, handler: BodyHandler, *, max_body: int = DEFAULT_MAX_BODY) -> None:
@@ -175,19 +208,19 @@ class JsonBodyEndpoint:
         self.max_body = max_body
         self._is_async = inspect.iscoroutinefunction(handler)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
         try:
             body = await read_json_body(scope, receive, self.max_body)
             status, payload = await _call(self.handler, body, self._is_async)
         except ClientDisconnected:
-            return
+            return DISCONNECTED
         except Exception as exc:  # noqa: BLE001 - every failure must still be a JSON answer
-            await _answer_failure(send, exc, head=False)
-            return
+            return await _answer_failure(send, exc, head=False)
         await send_bytes(send, status, encode(payload))
+        return status
 
 
-class JsonQueryEndpoint:
+class JsonQueryEndpoint(DirectEndpoint):
     """ASGI endpoint of a GET route: query parameters in, `handler(params) -> (status, payload)`."""
 
     def __init__(self, handler: QueryHandler, *, parameters: frozenset[str] = frozenset()) -> None:
@@ -195,18 +228,18 @@ class JsonQueryEndpoint:
         self.parameters = parameters
         self._is_async = inspect.iscoroutinefunction(handler)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
         head = scope["method"] == "HEAD"
         try:
             params = QueryParams(scope.get("query_string", b""), self.parameters)
             status, payload = await _call(self.handler, params, self._is_async)
         except Exception as exc:  # noqa: BLE001
-            await _answer_failure(send, exc, head=head)
-            return
+            return await _answer_failure(send, exc, head=head)
         await send_bytes(send, status, encode(payload), head=head)
+        return status
 
 
-class StaticEndpoint:
+class StaticEndpoint(DirectEndpoint):
     """ASGI endpoint answering GET and HEAD with fixed bytes (a class: Starlette treats plain
     functions as request/response handlers)."""
 
@@ -214,10 +247,46 @@ class StaticEndpoint:
         self.body = body
         self.content_type = content_type
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
         await send_bytes(
             send, 200, self.body, content_type=self.content_type, head=scope["method"] == "HEAD"
         )
+        return 200
+
+
+# The text format `generate_latest` writes; every Prometheus version reads it under this type
+# (prometheus-client's own server still answers it by default).
+METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+class MetricsEndpoint(DirectEndpoint):
+    """`GET /metrics`: the registry in Prometheus text format, collected at each scrape."""
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
+        await send_bytes(
+            send, 200, generate_latest(self.registry), content_type=METRICS_CONTENT_TYPE,
+            head=scope["method"] == "HEAD",
+        )
+        return 200
+
+
+READY_BODY = encode({"status": "ready"})
+NOT_READY_BODY = error_body("not ready: start-up has not finished, or shutdown has begun")
+
+
+class ReadyEndpoint(DirectEndpoint):
+    """`GET /ready`: 200 once `state.ready` is true, 503 before (and from shutdown on)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
+        status, body = (200, READY_BODY) if getattr(self.state, "ready", False) else (503, NOT_READY_BODY)
+        await send_bytes(send, status, body, head=scope["method"] == "HEAD")
+        return status
 
 
 def post(path: str, handler: BodyHandler, *, max_body: int = DEFAULT_MAX_BODY) -> Route:
@@ -266,39 +335,111 @@ async def server_error_handler(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS = {HTTPException: http_exception_handler, Exception: server_error_handler}
 
 
+Lifespan = Callable[[Any], contextlib.AbstractAsyncContextManager[Any]]
+
+
 class Service(Starlette):
     """A Starlette app whose own JSON routes skip Starlette's per-request machinery.
 
-    A request whose exact path and method belong to one of this module's endpoints (which turn
-    every failure into a JSON answer themselves) is handed straight to it: no middleware stack,
-    no route matching. Everything else (unknown paths, wrong methods, lifespan) takes the
-    ordinary Starlette path, so 404/405 answers and start-up/shutdown are unchanged.
+    A request whose exact path and method belong to a `DirectEndpoint` (which turns every
+    failure into a JSON answer itself) is handed straight to it: no middleware stack, no route
+    matching. Everything else (unknown paths, wrong methods, lifespan) takes the ordinary
+    Starlette path, so 404/405 answers and start-up/shutdown are unchanged.
+
+    Beside the given routes it serves `/ready` and `/metrics`. `state.ready` turns true when
+    the lifespan's start-up part (everything before its `yield`: recovery, loading) has
+    returned, and false again when shutdown begins. `collectors` add the core's metrics to the
+    app's own registry (`metrics_registry`). Every request's status and latency are recorded
+    per route; `access_log`, when set (see `dynamo_lite.cli.serve`), is called once per request.
     """
 
-    def __init__(self, *, routes: list[Route], **kwargs: Any) -> None:
-        super().__init__(routes=routes, exception_handlers=EXCEPTION_HANDLERS, **kwargs)
+    def __init__(
+        self,
+        *,
+        routes: list[Route],
+        lifespan: Lifespan | None = None,
+        collectors: Iterable[Collector] = (),
+        **kwargs: Any,
+    ) -> None:
+        self.request_metrics = RequestMetrics()
+        self.metrics_registry = new_registry(self.request_metrics)
+        for collector in collectors:
+            self.metrics_registry.register(collector)
+        super().__init__(routes=routes, exception_handlers=EXCEPTION_HANDLERS,
+                         lifespan=self._readiness(lifespan), **kwargs)
+        self.state.ready = False
+        self.router.routes.append(Route("/ready", ReadyEndpoint(self.state), methods=["GET"]))
+        self.router.routes.append(Route("/metrics", MetricsEndpoint(self.metrics_registry), methods=["GET"]))
         self.router.redirect_slashes = False  # paths match exactly, as in Dynamo: /health/ is a 404
+        self._paths = {route.path for route in self.routes if isinstance(route, Route)}
         self._direct = {
-            route.path: (frozenset(route.methods or ()), route.endpoint)
-            for route in routes
-            if isinstance(route.endpoint, (JsonBodyEndpoint, JsonQueryEndpoint, StaticEndpoint))
+            route.path: (frozenset(route.methods or ()), route.endpoint, self.request_metrics.route(route.path))
+            for route in self.routes
+            if isinstance(route, Route) and isinstance(route.endpoint, DirectEndpoint)
         }
+        self._buckets = self.request_metrics.buckets
+        self.access_log: AccessLog | None = None
+
+    def _readiness(self, lifespan: Lifespan | None) -> Lifespan:
+        @contextlib.asynccontextmanager
+        async def ready_after_start_up(app: Any) -> AsyncIterator[Any]:
+            async with (lifespan(app) if lifespan is not None else contextlib.nullcontext()) as state:
+                self.state.ready = True
+                try:
+                    yield state
+                finally:
+                    self.state.ready = False
+
+        return ready_after_start_up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             direct = self._direct.get(scope["path"])
             if direct is not None and scope["method"] in direct[0]:
-                await direct[1](scope, receive, send)
+                start = perf_counter()
+                status = await direct[1](scope, receive, send)
+                seconds = perf_counter() - start
+                series = direct[2][status]
+                series[bisect_left(self._buckets, seconds)] += 1
+                series[-1] += seconds
+                if self.access_log is not None:
+                    self.access_log(scope, status, seconds)
                 return
+            await self._serve_routed(scope, receive, send)
+            return
         await super().__call__(scope, receive, send)
+
+    async def _serve_routed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Starlette's path (404, 405, any non-direct route), measured through `send`."""
+        status = 500  # when the app raises before answering
+        start = perf_counter()
+
+        async def capture_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, capture_status)
+        finally:
+            seconds = perf_counter() - start
+            path = scope["path"]
+            series = self.request_metrics.route(path if path in self._paths else UNMATCHED_ROUTE)[status]
+            series[bisect_left(self._buckets, seconds)] += 1
+            series[-1] += seconds
+            if self.access_log is not None:
+                self.access_log(scope, status, seconds)
 
 
 __all__ = [
     "DEFAULT_MAX_BODY",
     "EXCEPTION_HANDLERS",
+    "DirectEndpoint",
     "JsonBodyEndpoint",
     "JsonQueryEndpoint",
     "QueryParams",
+    "Service",
     "get",
     "health_route",
     "openapi_route",

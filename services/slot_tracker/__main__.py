@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from dynamo_lite.cli import configure_logging, positive_float, serve, service_parser
+from dynamo_lite.cli import configure_logging, parse_args, positive_float, serve, service_parser
 
 from .app import create_app
 from .core import DEFAULT_REQUEST_TTL_SECS, SlotTracker
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> None:
         default=DEFAULT_REQUEST_TTL_SECS,
         help="free a request this many seconds after its /add if it was never freed",
     )
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level)
+    args = parse_args(parser, argv)
+    configure_logging(args.log_level, args.log_format)
     logging.getLogger("dynamo_lite.slot_tracker").info(
         "starting slot tracker on %s:%d (request TTL %ss)", args.host, args.port, args.request_ttl_secs
     )

@@ -20,6 +20,7 @@ from dynamo_lite.http import HandlerResult, QueryParams
 from dynamo_lite.validation import expect_object
 
 from .core import SlotTracker
+from .metrics import SlotTrackerCollector
 
 logger = logging.getLogger("dynamo_lite.slot_tracker")
 
@@ -151,6 +152,7 @@ def create_app(
             http.openapi_route(OPENAPI_PATH),
         ],
         lifespan=lifespan,
+        collectors=[SlotTrackerCollector(tracker)],
     )
     app.state.tracker = tracker
     return app
