@@ -6,6 +6,7 @@ document `/dump` produces, so two indexers (ours or Dynamo's) can recover from e
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -19,7 +20,9 @@ from dynamo_lite.errors import InvalidArgument
 from dynamo_lite.http import HandlerResult, QueryParams
 from dynamo_lite.validation import expect_object
 
+from .metrics import IndexerCollector
 from .peers import PeerList, recover
+from .snapshot import Snapshots
 from .protocols import parse_events_document
 from .state import Indexer
 
@@ -116,22 +119,60 @@ def _peer_url(body: Any) -> str:
     return url
 
 
+async def _log_evictions(indexer: Indexer, interval_secs: float = 60.0) -> None:
+    """One line per interval with evictions, never one per block."""
+    logged = indexer.evicted_blocks_total
+    while True:
+        await asyncio.sleep(interval_secs)
+        total = indexer.evicted_blocks_total
+        if total != logged:
+            logger.info(
+                "evicted %d blocks in the last %.0fs (--max-blocks %d per partition; %d since start-up)",
+                total - logged, interval_secs, indexer.max_blocks, total,
+            )
+            logged = total
+
+
 def create_app(
     indexer: Indexer | None = None,
     *,
     peers: list[str] | None = None,
     recovery_deadline_secs: float = 10.0,
+    max_blocks: int = 0,
+    snapshot: str | None = None,
+    snapshot_interval_secs: float = 30.0,
+    ignore_bad_snapshot: bool = False,
 ) -> Starlette:
-    """The indexer app. With `peers`, start-up recovers from the first reachable one's `/dump`
-    before the server accepts connections (uvicorn opens the port after the lifespan starts)."""
-    indexer = indexer if indexer is not None else Indexer()
+    """The indexer app. Start-up loads the `snapshot` file (when given), then recovers from the
+    first reachable of `peers`, before the server accepts connections (uvicorn opens the port
+    after the lifespan starts). While serving, the snapshot is rewritten every
+    `snapshot_interval_secs`, and once more at shutdown, after the requests in flight."""
+    indexer = indexer if indexer is not None else Indexer(max_blocks)
     peer_list = PeerList(peers)
     routes = IndexerRoutes(indexer, peer_list)
+    snapshots = Snapshots(indexer, snapshot, snapshot_interval_secs, ignore_bad=ignore_bad_snapshot) if snapshot else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if snapshots is not None:
+            snapshots.restore()
         await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
-        yield
+        tasks = [asyncio.create_task(_log_evictions(indexer))]
+        if snapshots is not None:
+            tasks.append(asyncio.create_task(snapshots.run_periodically()))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if snapshots is not None:
+                try:
+                    await snapshots.save()
+                except OSError as exc:
+                    logger.error("cannot write the final snapshot to %s: %s", snapshots.path, exc)
+                else:
+                    logger.info("wrote the final snapshot to %s", snapshots.path)
 
     app = http.Service(
         routes=[
@@ -149,6 +190,7 @@ def create_app(
             http.openapi_route(OPENAPI_PATH),
         ],
         lifespan=lifespan,
+        collectors=[IndexerCollector(indexer)],
     )
     app.state.indexer = indexer
     app.state.peers = peer_list

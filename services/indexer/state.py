@@ -106,9 +106,18 @@ class ApplyReport:
 class Indexer:
     """Every partition of the process. Not thread-safe: call it from one thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks: int = 0) -> None:
+        """`max_blocks`: per partition, at most this many device (worker, block) pairs and
+        this many blocks per lower tier, least recently used evicted first; 0: unlimited."""
         self.partitions: dict[PartitionId, Partition] = {}
         self._owner: dict[int, Partition] = {}  # instance id -> its partition
+        self.max_blocks = max_blocks
+        self._evicted_in_dropped = 0  # evictions of partitions that have since disappeared
+        # Totals over every `apply_events` call since start-up, for the metrics.
+        self.events_applied_total = 0
+        self.events_skipped_total = 0
+        self.events_rejected_total = 0
+        self.event_gaps_total = 0
 
     # --- workers ------------------------------------------------------------------------------
 
@@ -157,6 +166,7 @@ class Indexer:
             del self._owner[instance_id]
         if not owner.ranks:
             del self.partitions[(model_name, tenant_id)]
+            self._evicted_in_dropped += owner.tree.evicted_blocks
 
     def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
         """Instances sorted by (model_name, tenant_id, instance_id), ranks by dp_rank."""
@@ -185,6 +195,11 @@ class Indexer:
     def block_size(self, model_name: str, tenant_id: str) -> int:
         return self._existing(model_name, tenant_id).block_size
 
+    @property
+    def evicted_blocks_total(self) -> int:
+        """Blocks dropped by the `max_blocks` limit since start-up, in every partition."""
+        return self._evicted_in_dropped + sum(p.tree.evicted_blocks for p in self.partitions.values())
+
     # --- events -------------------------------------------------------------------------------
 
     def apply_events(self, document: Sequence[PartitionEvents]) -> ApplyReport:
@@ -195,7 +210,12 @@ class Indexer:
         jump past last+1 (or a first event_id other than 0) is applied and reported as a gap.
         """
         self._validate(document)
-        return self._apply(document, watermarks=True)
+        report = self._apply(document, watermarks=True)
+        self.events_applied_total += report.applied
+        self.events_skipped_total += report.skipped
+        self.events_rejected_total += report.rejected
+        self.event_gaps_total += report.gap_count
+        return report
 
     def load_dump(self, document: Any) -> ApplyReport:
         """Merge a `/dump` document (e.g. a peer's) into this index, creating its partitions
@@ -358,10 +378,15 @@ class Indexer:
     def dump(self) -> dict[str, Any]:
         """Every partition as `/dump` shows it: stored events that rebuild the index, device
         tier first (parents before children), event ids renumbered from 0 per tier section."""
-        return events_document(
+        return events_document(self.dump_partitions())
+
+    def dump_partitions(self) -> list[PartitionEvents]:
+        """What `dump` shows, before it becomes JSON: the events reference no index state, so
+        they can be encoded elsewhere (another thread) while the index changes."""
+        return [
             PartitionEvents(partition.model_name, partition.tenant_id, partition.block_size, partition.tree.dump())
             for partition in self._matching(None, None)
-        )
+        ]
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -376,7 +401,7 @@ class Indexer:
         partition = self.partitions.get((model_name, tenant_id))
         if partition is None:
             _check_block_size(block_size)
-            return Partition(model_name, tenant_id, block_size)
+            return Partition(model_name, tenant_id, block_size, PrefixTree(self.max_blocks))
         if partition.block_size != block_size:
             raise Conflict(
                 f"block_size mismatch for {partition.describe()}: "

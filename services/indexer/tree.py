@@ -46,10 +46,23 @@ and a store is accepted whatever its parent. A query continues each slot from wh
 device match stopped (or from the root when it has none) through host_pinned, then disk,
 then external, following the slot's own external hashes. If two slots name the same
 transition differently, both names are kept (`Edge` variants) and each slot follows its own.
+
+Bounded size (`max_blocks`)
+---------------------------
+With a limit, the tree keeps at most `max_blocks` device (slot, block) pairs and at most
+`max_blocks` blocks on each lower tier. Device recency is per node, in an OrderedDict (C-level
+O(1) moves): a store touches the nodes it walked, deepest first, then its parent; a match
+touches the path of the deepest match, deepest first, so a prefix is always more recent than
+the blocks below it that queries reached through it. Past the limit the least recent node goes
+with its whole subtree, for every slot holding it: blocks below it can only match through it,
+and dropping them leaves no dormant garbage. To a slot this is exactly a `removed` event for
+those blocks, so a later removal of an evicted block is just an unknown removal. Lower-tier
+blocks are dropped oldest store first (queries do not touch them).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -124,7 +137,8 @@ class MatchResult:
 class PrefixTree:
     """The index of one partition. Not thread-safe; all methods are synchronous and pure."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks: int = 0) -> None:
+        """`max_blocks` 0: unlimited; otherwise the limit described in the module notes."""
         self.root = Node(0, 0, None, 0)  # never matched: matching starts at its children
         self.slots: dict[WorkerKey, WorkerSlot] = {}
         self.dormant: dict[Node, int] = {}
@@ -135,6 +149,14 @@ class PrefixTree:
         self._canonical: dict[int, int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 1
+        self.max_blocks = max_blocks
+        self.device_blocks = 0  # (slot, block) pairs on the device tier, dormant ones included
+        self.evicted_blocks = 0  # pairs (device) and blocks (lower tiers) dropped by the limit
+        # Every held or dormant node, least recently used first; None when unlimited.
+        self._recent: OrderedDict[Node, None] | None = OrderedDict() if max_blocks else None
+        self._lower_recent: dict[StorageTier, OrderedDict[tuple[int, int], None]] | None = (
+            {tier: OrderedDict() for tier in LOWER_TIERS} if max_blocks else None
+        )
 
     # --- workers ------------------------------------------------------------------------------
 
@@ -208,6 +230,7 @@ class PrefixTree:
         self, slot: WorkerSlot, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
     ) -> StoreStatus:
         blocks = slot.blocks
+        held_before = len(blocks)
         bit = slot.bit
         if parent_hash is None:
             start = self.root
@@ -254,6 +277,17 @@ class PrefixTree:
             blocks[ext] = node
             if node.ext != ext:
                 overrides[node] = ext
+        self.device_blocks += len(blocks) - held_before
+        recent = self._recent
+        if recent is not None:
+            while node is not start:
+                recent[node] = None
+                recent.move_to_end(node)
+                node = node.parent
+            if start is not self.root:
+                recent.move_to_end(start)
+            if self.device_blocks > self.max_blocks:
+                self._evict_device()
         return StoreStatus.STORED
 
     def _store_lower(
@@ -276,11 +310,14 @@ class PrefixTree:
                     return StoreStatus.HASH_CONFLICT
                 parent = ext
         bit = slot.bit
+        recent = self._lower_recent[tier] if self._lower_recent is not None else None
         parent = parent_hash
         for ext, local in zip(block_hashes, tokens_hashes):
             key = (parent, local)
             parent = ext
             if ext in known:
+                if recent is not None:
+                    recent.move_to_end((bit, ext))
                 continue
             entry = edges.get(key)
             if entry is None:
@@ -303,6 +340,10 @@ class PrefixTree:
                 else:
                     variants.append(Edge(ext, bit))
             known[ext] = key
+            if recent is not None:
+                recent[(bit, ext)] = None
+        if recent is not None and len(recent) > self.max_blocks:
+            self._evict_lower(tier, recent)
         return StoreStatus.STORED
 
     def _promote(self, node: Node, bit: int) -> None:
@@ -341,6 +382,7 @@ class PrefixTree:
         overrides = slot.overrides
         dormant = self.dormant
         canonical = self._canonical
+        recent = self._recent
         bit = slot.bit
         unknown = 0
         for ext in block_hashes:
@@ -362,8 +404,12 @@ class PrefixTree:
                     dormant[node] = mask
                 else:
                     del dormant[node]
-            if not node.holders and node.child is None and node not in dormant:
-                self._prune(node)
+            if not node.holders and node not in dormant:
+                if recent is not None:
+                    del recent[node]
+                if node.child is None:
+                    self._prune(node)
+        self.device_blocks -= len(block_hashes) - unknown
         return unknown
 
     def _demote(self, node: Node, bit: int) -> None:
@@ -407,6 +453,7 @@ class PrefixTree:
         if not known:
             return len(block_hashes)
         edges = self.lower[tier]
+        recent = self._lower_recent[tier] if self._lower_recent is not None else None
         unknown = 0
         for ext in block_hashes:
             key = known.pop(ext, None)
@@ -414,6 +461,8 @@ class PrefixTree:
                 unknown += 1
                 continue
             _release_edge(edges, key, ext, slot.bit)
+            if recent is not None:
+                del recent[(slot.bit, ext)]
         return unknown
 
     def clear(self, worker: WorkerKey) -> None:
@@ -427,6 +476,8 @@ class PrefixTree:
         nodes = list(slot.blocks.values())
         slot.blocks = {}
         slot.overrides = {}
+        self.device_blocks -= len(nodes)
+        recent = self._recent
         for node in nodes:
             holders = node.holders
             if holders & bit:
@@ -439,13 +490,20 @@ class PrefixTree:
                 else:
                     del dormant[node]
         for node in nodes:
+            if node.holders or node in dormant:
+                continue
+            if recent is not None:
+                recent.pop(node, None)
             # A node may already be gone, unlinked while pruning one of its descendants.
-            if node.parent is not None and not node.holders and node.child is None and node not in dormant:
+            if node.parent is not None and node.child is None:
                 self._prune(node)
         for tier, known in slot.lower.items():
             edges = self.lower[tier]
+            lower_recent = self._lower_recent[tier] if self._lower_recent is not None else None
             for ext, key in known.items():
                 _release_edge(edges, key, ext, bit)
+                if lower_recent is not None:
+                    del lower_recent[(bit, ext)]
         slot.lower = {}
 
     # --- match --------------------------------------------------------------------------------
@@ -459,6 +517,14 @@ class PrefixTree:
             # walk stops at the first one; only then is converting the whole query worth it.
             local_hashes = to_unsigned_list(local_hashes)
             stops, reached = self._match_device(local_hashes)
+        recent = self._recent
+        if recent is not None and stops:
+            # Deepest first, so every prefix ends up more recent than what lies below it.
+            node = stops[-1][2]
+            root = self.root
+            while node is not root:
+                recent.move_to_end(node)
+                node = node.parent
         device: dict[WorkerKey, int] = {}
         for mask, depth, _node in stops:
             while mask:
@@ -535,6 +601,61 @@ class PrefixTree:
             for bit, hits in _continue(edges, local_hashes, position).items():
                 key = by_bit[bit].key
                 totals[key] = totals.get(key, 0) + hits
+
+    # --- limit --------------------------------------------------------------------------------
+
+    def _evict_device(self) -> None:
+        """Drop least recently used nodes, each with its subtree, until the pairs fit."""
+        recent = self._recent
+        assert recent is not None
+        while self.device_blocks > self.max_blocks and recent:
+            victim, _ = recent.popitem(last=False)
+            dropped = self._drop_subtree(victim)
+            self.device_blocks -= dropped
+            self.evicted_blocks += dropped
+
+    def _drop_subtree(self, top: Node) -> int:
+        """Forget `top` and every node below it for every slot; returns the pairs dropped.
+        Children go before parents; unlinking them both ways frees them by refcount."""
+        doomed = [top]
+        for member in doomed:  # grows while it is walked: breadth-first
+            child = member.child
+            if child is None:
+                continue
+            if child.__class__ is Node:
+                doomed.append(child)
+            else:
+                doomed.extend(child.values())
+        recent = self._recent
+        assert recent is not None
+        dormant = self.dormant
+        by_bit = self._by_bit
+        dropped = 0
+        for member in reversed(doomed):
+            mask = member.holders | dormant.pop(member, 0)
+            if member is not top:
+                recent.pop(member, None)
+                member.child = None
+                member.parent = None
+            while mask:
+                low = mask & -mask
+                slot = by_bit[low]
+                overrides = slot.overrides
+                del slot.blocks[overrides.pop(member, member.ext) if overrides else member.ext]
+                dropped += 1
+                mask ^= low
+            member.holders = 0
+        top.child = None
+        self._prune(top)
+        return dropped
+
+    def _evict_lower(self, tier: StorageTier, recent: OrderedDict[tuple[int, int], None]) -> None:
+        edges = self.lower[tier]
+        by_bit = self._by_bit
+        while len(recent) > self.max_blocks:
+            (bit, ext), _ = recent.popitem(last=False)
+            _release_edge(edges, by_bit[bit].lower[tier].pop(ext), ext, bit)
+            self.evicted_blocks += 1
 
     # --- dump ---------------------------------------------------------------------------------
 
