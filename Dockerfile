@@ -1,7 +1,9 @@
-# One image for both services; the default command runs the slot tracker.
+# One image for both services; the default command runs the slot tracker. Every flag can also
+# be given as an environment variable DYNAMO_LITE_<FLAG> (see the README, "Observability").
 #   docker build -t dynamo-lite .
 #   docker run --rm -p 8091:8091 dynamo-lite
-#   docker run --rm -p 8090:8090 dynamo-lite python -m dynamo_lite.indexer --host 0.0.0.0 --port 8090
+#   docker run --rm -p 8090:8090 -v dynamo-lite-index:/data \
+#       -e DYNAMO_LITE_SNAPSHOT=/data/index.json dynamo-lite python -m dynamo_lite.indexer
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -16,13 +18,16 @@ COPY services ./services
 COPY openapi ./openapi
 RUN pip install . && rm -rf /src
 
-RUN useradd --create-home --uid 10001 dynamo
+RUN useradd --create-home --uid 10001 dynamo && mkdir /data && chown dynamo /data
 USER dynamo
 WORKDIR /home/dynamo
 
 EXPOSE 8091 8090
-# Probes whichever service the command started (both serve GET /health).
-HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD python -c "import os, sys, urllib.request; port = os.environ.get('HEALTH_PORT', '8091'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=2).status == 200 else 1)"
+# Liveness of whichever service the command started: $DYNAMO_LITE_PORT, else 8091 then 8090.
+# (Orchestrators that route traffic should also watch GET /ready; see deploy/.)
+HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
+    CMD ["python", "-m", "dynamo_lite.probe", "--path", "/health"]
 
-CMD ["python", "-m", "dynamo_lite.slot_tracker", "--host", "0.0.0.0", "--port", "8091"]
+# SIGTERM (docker stop) drains in-flight requests and writes the indexer's snapshot.
+STOPSIGNAL SIGTERM
+CMD ["python", "-m", "dynamo_lite.slot_tracker"]
