@@ -1,0 +1,329 @@
+"""bench/RESULTS.md from a run's results (results.json): method, targets, tables, profiles.
+
+    python -m bench.report [results.json] [RESULTS.md]   # re-render without measuring
+
+Throughput is the median over repetitions of each wrk run's requests per second, shown with
+the min-max; latency is the median of the runs' p50. Ratios divide medians of the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+STUB_SHARE_TARGET = 0.90
+REFERENCE_TARGETS = {"potential_loads": 0.5, "query_by_hash": 0.5, "loads": 0.35, "lifecycle": 0.35}
+P50_TARGET = 1.3
+FLAT_TARGET = 0.9
+MEMORY_TARGET = 200
+INGEST_TARGET = 300_000
+
+TITLES = {
+    "health": "slot tracker `GET /health`",
+    "loads": "slot tracker `GET /loads`",
+    "potential_loads": "slot tracker `POST /potential_loads` (512-hash query)",
+    "lifecycle": "slot tracker lifecycle mix `/add` → `/prefill_complete` → `/free`",
+    "query_by_hash": "indexer `POST /query_by_hash` (512 hashes, 16 workers)",
+}
+WHY_MARKER = "<!-- WHY-TARGETS-NOT-MET: the lead completes this section with profiles and numbers -->"
+
+
+class Table:
+    def __init__(self, runs: list[dict[str, Any]]) -> None:
+        self.runs = runs
+
+    def select(self, scenario: str, role: str, connections: int, label: str | None = None) -> list[dict[str, Any]]:
+        return [run for run in self.runs if run["scenario"] == scenario and run["role"] == role
+                and run["connections"] == connections and (label is None or run["label"] == label)]
+
+    def rps(self, scenario: str, role: str, connections: int, label: str | None = None) -> list[float]:
+        return [run["rps"] for run in self.select(scenario, role, connections, label)]
+
+    def median_rps(self, scenario: str, role: str, connections: int, label: str | None = None) -> float | None:
+        values = self.rps(scenario, role, connections, label)
+        return statistics.median(values) if values else None
+
+    def median_p50_ms(self, scenario: str, role: str, connections: int, label: str | None = None) -> float | None:
+        values = [run["p50_us"] / 1000 for run in self.select(scenario, role, connections, label)]
+        return statistics.median(values) if values else None
+
+    def labels(self, scenario: str) -> list[str]:
+        seen: dict[str, None] = {}
+        for run in self.runs:
+            if run["scenario"] == scenario:
+                seen.setdefault(run["label"], None)
+        return list(seen)
+
+
+def _ratio(top: float | None, bottom: float | None) -> float | None:
+    return top / bottom if top is not None and bottom else None
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _fmt_rate(values: list[float]) -> str:
+    if not values:
+        return "—"
+    median = statistics.median(values)
+    if len(values) == 1:
+        return f"{median:,.0f}"
+    return f"{median:,.0f} ({min(values):,.0f}–{max(values):,.0f})"
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def _verdict(value: float | None, target: float, higher_is_better: bool = True) -> str:
+    if value is None:
+        return "not measured"
+    met = value >= target if higher_is_better else value <= target
+    return "**met**" if met else "**not met**"
+
+
+def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
+    table = Table(data["runs"])
+    rows: list[tuple[str, str, str]] = []
+    for scenario in ("health", "loads", "potential_loads", "lifecycle", "query_by_hash"):
+        share = _ratio(table.median_rps(scenario, "ours", 64), table.median_rps(scenario, "stub", 64))
+        rows.append((f"{scenario}: ≥ {STUB_SHARE_TARGET:.0%} of the bare stub (c=64)", _fmt_ratio(share),
+                     _verdict(share, STUB_SHARE_TARGET)))
+    ingest = _ingest_medians(data)
+    for detail in sorted({detail for role, detail in ingest if role == "ours"}):
+        share = _ratio(ingest.get(("ours", detail)), ingest.get(("stub", detail)))
+        rows.append((f"/events ({detail}): ≥ {STUB_SHARE_TARGET:.0%} of the bare stub", _fmt_ratio(share),
+                     _verdict(share, STUB_SHARE_TARGET)))
+    for scenario, target in REFERENCE_TARGETS.items():
+        ratio = _ratio(table.median_rps(scenario, "ours", 64), table.median_rps(scenario, "reference", 64))
+        rows.append((f"{scenario}: ≥ {target}× the reference (c=64)", _fmt_ratio(ratio), _verdict(ratio, target)))
+    for scenario in ("health", "loads", "potential_loads", "lifecycle", "query_by_hash"):
+        ratio = _ratio(table.median_p50_ms(scenario, "ours", 1), table.median_p50_ms(scenario, "reference", 1))
+        measured = "—" if ratio is None else (f"{ratio:.2f}× ({_fmt_ms(table.median_p50_ms(scenario, 'ours', 1))} "
+                                              f"vs {_fmt_ms(table.median_p50_ms(scenario, 'reference', 1))} ms)")
+        rows.append((f"{scenario}: p50 at c=1 ≤ {P50_TARGET}× the reference", measured,
+                     _verdict(ratio, P50_TARGET, higher_is_better=False)))
+    for ranks in ("16", "256"):
+        points = [label for label in table.labels("scale_potential_loads") if label.startswith(f"{ranks} ranks")]
+        if len(points) >= 2:
+            flat = _ratio(table.median_rps("scale_potential_loads", "ours", 64, points[-1]),
+                          table.median_rps("scale_potential_loads", "ours", 64, points[0]))
+            rows.append((f"/potential_loads flat in active requests, {ranks} ranks: "
+                         f"req/s at {points[-1].split(', ')[1]} ÷ at {points[0].split(', ')[1]} ≥ {FLAT_TARGET}",
+                         _fmt_ratio(flat), _verdict(flat, FLAT_TARGET)))
+    small, large = _query_scaling(table)
+    if small and large:
+        flat = _ratio(large[1], small[1])
+        rows.append((f"/query_by_hash flat in indexed blocks: req/s at {large[0]} ÷ at {small[0]} ≥ {FLAT_TARGET}",
+                     _fmt_ratio(flat), _verdict(flat, FLAT_TARGET)))
+    rows.append(("cost linear in hashes per request", "not measured by this suite (see `python -m "
+                 "bench.slot_tracker_core` and `bench.indexer_core`)", "—"))
+    ours_memory = next((row for row in data["memory"] if row["role"] == "ours"), None)
+    per_pair = ours_memory["bytes_per_pair"] if ours_memory else None
+    rows.append((f"memory ≤ {MEMORY_TARGET} B per indexed (block, worker) pair at 1M",
+                 "—" if per_pair is None else f"{per_pair:,.0f} B (RSS growth, {ours_memory['pairs']:,} pairs)",
+                 _verdict(per_pair, MEMORY_TARGET, higher_is_better=False)))
+    for (role, detail), rate in sorted(ingest.items()):
+        if role == "ours":
+            rows.append((f"/events ≥ {INGEST_TARGET:,} blocks/s ({detail})", f"{rate:,.0f} blocks/s",
+                         _verdict(rate, INGEST_TARGET)))
+    return rows
+
+
+def _query_scaling(table: Table) -> tuple[tuple[str, float] | None, tuple[str, float] | None]:
+    """(label, ours' median req/s at c=64) at the smallest and largest index measured."""
+    points = [(label, table.median_rps("scale_query_by_hash", "ours", 64, label))
+              for label in table.labels("scale_query_by_hash")]
+    points += [(label, table.median_rps("query_by_hash", "ours", 64, label)) for label in table.labels("query_by_hash")]
+    points = [(label, rps) for label, rps in points if rps is not None]
+    if len(points) < 2:
+        return None, None
+    return points[0], points[-1]
+
+
+def _ingest_medians(data: dict[str, Any]) -> dict[tuple[str, str], float]:
+    grouped: dict[tuple[str, str], list[float]] = {}
+    for row in data["ingest"]:
+        grouped.setdefault((row["role"], row["detail"]), []).append(row["blocks_per_s"])
+    return {key: statistics.median(values) for key, values in grouped.items()}
+
+
+def render(data: dict[str, Any]) -> str:
+    settings, meta = data["settings"], data["meta"]
+    table = Table(data["runs"])
+    out: list[str] = []
+    add = out.append
+    add("# Benchmark results\n")
+    quick = " — **quick smoke run, not a measurement**" if settings["quick"] else ""
+    add(f"Generated by `{meta.get('command', 'python -m bench')}` on {meta.get('started', '?')} UTC "
+        f"(wall time {meta.get('wall_s', 0) / 60:.1f} min){quick}.")
+    add(f"Machine: {meta.get('cpu', '?')}, {meta.get('cpus', '?')} CPUs, Linux {meta.get('kernel', '?')}, "
+        f"Python {meta.get('python', '?')}, {meta.get('wrk', 'wrk')}; reference: {meta.get('reference', '?')}.\n")
+    add("Method: each server runs alone on CPU 0 (`taskset -c 0`), wrk (one thread, Lua scripts in "
+        "`bench/lua/`) on CPU 1. Every point is a warm-up of "
+        f"{settings['warmup_s']:g} s, then a measured run of {settings['duration_s']:g} s; each repetition "
+        "runs ours, the reference (Dynamo 1.6.1, `ai-dynamo-runtime==1.6.1` in its own venv) and the bare "
+        "Starlette + uvicorn + orjson stub (`bench/stub.py`, ours' response bytes canned) one after the other. "
+        f"{settings['repetitions']} repetitions for the main scenarios, {settings['scaling_repetitions']} for "
+        "the scaling points, which run at c=64 only and without the stub (its cost does not depend on state). "
+        "Numbers: median requests/s (min–max over repetitions), median p50 latency in ms; ratios are of "
+        "medians from this run. The reference indexer is filled over ZMQ with the same blocks ours gets "
+        "through `/events`; a sentinel block per worker confirms it applied them.\n")
+
+    add("## Targets\n")
+    add("| target | measured | verdict |")
+    add("|---|---|---|")
+    for target, measured, verdict in targets(data):
+        add(f"| {target} | {measured} | {verdict} |")
+    add("")
+
+    add("## Routes (state: 16 ranks, 200 active requests of 256 hashes, half sharing a 128-hash prefix; "
+        "indexer: 16 workers, tree from the Mooncake conversation trace)\n")
+    add("| scenario | state | c | ours req/s | reference req/s | stub req/s | ours ÷ reference | ours ÷ stub "
+        "| p50 ms ours / reference / stub |")
+    add("|---|---|---|---|---|---|---|---|---|")
+    for scenario, title in TITLES.items():
+        for label in table.labels(scenario):
+            for conns in (1, 64):
+                if not table.select(scenario, "ours", conns, label):
+                    continue
+                med = {role: table.median_rps(scenario, role, conns, label) for role in ("ours", "reference", "stub")}
+                p50 = " / ".join(_fmt_ms(table.median_p50_ms(scenario, role, conns, label))
+                                 for role in ("ours", "reference", "stub"))
+                add(f"| {title} | {label} | {conns} | {_fmt_rate(table.rps(scenario, 'ours', conns, label))} "
+                    f"| {_fmt_rate(table.rps(scenario, 'reference', conns, label))} "
+                    f"| {_fmt_rate(table.rps(scenario, 'stub', conns, label))} "
+                    f"| {_fmt_ratio(_ratio(med['ours'], med['reference']))} "
+                    f"| {_fmt_ratio(_ratio(med['ours'], med['stub']))} | {p50} |")
+    add("")
+    add("The lifecycle mix counts HTTP requests (one lifecycle = 3 requests); each `/prefill_complete` trails "
+        "its `/add` by 2,048 lifecycles and each `/free` by 4,096, so up to ~4,096 requests are active. "
+        "`/health` has no state.\n")
+
+    _scaling_section(add, table)
+    _ingest_section(add, data)
+    _memory_section(add, data)
+    _profiles_section(add, data)
+
+    add("## Why targets are not met\n")
+    add(WHY_MARKER)
+    add("")
+    add("_To be completed from the profiles above and the analysis in [ANALYSIS.md](ANALYSIS.md)._\n")
+
+    if data["notes"]:
+        add("## Notes from the run\n")
+        out.extend(f"- {note}" for note in data["notes"])
+        add("")
+    add("Raw numbers of every wrk run: [`results.json`](results.json). Reproduce: "
+        "`python -m bench` (about 30 min; `python -m bench --help`).")
+    return "\n".join(out) + "\n"
+
+
+def _scaling_section(add: Callable[[str], None], table: Table) -> None:
+    if not (table.labels("scale_potential_loads") or table.labels("scale_query_by_hash")):
+        return
+    add("## Scaling (c=64, ours and the reference)\n")
+    add("| route | state | ours req/s | reference req/s | ours ÷ reference | ours p50 ms |")
+    add("|---|---|---|---|---|---|")
+    rows = [("`/potential_loads` (512-hash query)", "scale_potential_loads", label)
+            for label in table.labels("scale_potential_loads")]
+    rows += [("`/query_by_hash` (512 hashes)", "scale_query_by_hash", label)
+             for label in table.labels("scale_query_by_hash")]
+    if table.labels("scale_query_by_hash"):
+        rows += [("`/query_by_hash` (512 hashes), from the main scenario", "query_by_hash", label)
+                 for label in table.labels("query_by_hash")]
+    for title, scenario, label in rows:
+        ours, reference = (table.median_rps(scenario, role, 64, label) for role in ("ours", "reference"))
+        add(f"| {title} | {label} | {_fmt_rate(table.rps(scenario, 'ours', 64, label))} "
+            f"| {_fmt_rate(table.rps(scenario, 'reference', 64, label))} | {_fmt_ratio(_ratio(ours, reference))} "
+            f"| {_fmt_ms(table.median_p50_ms(scenario, 'ours', 64, label))} |")
+    add("")
+
+
+def _ingest_section(add: Callable[[str], None], data: dict[str, Any]) -> None:
+    if not data["ingest"]:
+        return
+    add("## `/events` ingest (fresh 64-block stored events from 16 workers)\n")
+    add("| server | how | blocks/s, median (min–max) | blocks per repetition |")
+    add("|---|---|---|---|")
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in data["ingest"]:
+        grouped.setdefault((row["role"], row["detail"]), []).append(row)
+    for (role, detail), rows in grouped.items():
+        add(f"| {role} | {detail} | {_fmt_rate([row['blocks_per_s'] for row in rows])} | {rows[0]['blocks']:,} |")
+    add("")
+    add("Ours and the stub: documents built before the clock starts, posted over 4 keep-alive connections "
+        "(each owning 4 workers, so each worker's events stay in order) by a minimal client (`bench/http_post.py`); "
+        "time until the last answer. The reference: the same events as vLLM msgpack batches over ZMQ, one "
+        "publisher per worker; time from the first message until a sentinel published last is applied "
+        "(polled every 5 ms). Workers are unregistered after each run.\n")
+
+
+def _memory_section(add: Callable[[str], None], data: dict[str, Any]) -> None:
+    if not data["memory"]:
+        return
+    add("## Memory at ~1M indexed (block, worker) pairs\n")
+    add("| server | pairs | RSS empty → filled | bytes per pair |")
+    add("|---|---|---|---|")
+    for row in data["memory"]:
+        add(f"| {row['role']} | {row['pairs']:,} | {row['rss_empty'] / 2**20:,.0f} → "
+            f"{row['rss_filled'] / 2**20:,.0f} MiB | {row['bytes_per_pair']:,.0f} |")
+    add("")
+    add("RSS of the server process and its children, after start-up and after the fill (the 16 workers "
+        "hold the Mooncake trace's prompts round-robin, sharing prefixes).\n")
+
+
+def _profiles_section(add: Callable[[str], None], data: dict[str, Any]) -> None:
+    if not data["profiles"]:
+        return
+    add("## Profiles of our server (py-spy, c=64)\n")
+    add("Recorded during one extra wrk run per scenario (not a measured one; py-spy shares the client CPU). "
+        "Shares are of samples in which the server was running Python code.\n")
+    for profile in data["profiles"]:
+        rps = profile.get("rps_while_profiled")
+        add(f"### {profile['scenario']} — {profile['samples']:,} samples"
+            f"{f', {rps:,.0f} req/s while profiled' if rps else ''}\n")
+        add(f"Flamegraph: [`{profile['flamegraph']}`]({profile['flamegraph']}), collapsed stacks: "
+            f"[`{profile['collapsed']}`]({profile['collapsed']}).\n")
+        add("| own time | function | | including callees | function |")
+        add("|---|---|---|---|---|")
+        for own, inclusive in zip(profile["top_own"], profile["top_inclusive"]):
+            add(f"| {own[1]:.1f} % | `{own[0]}` | | {inclusive[1]:.1f} % | `{inclusive[0]}` |")
+        add("")
+
+
+def write(path: Path, data: dict[str, Any]) -> None:
+    """Render to `path`, keeping the text a person wrote under "Why targets are not met"."""
+    text = render(data)
+    if path.exists():
+        kept = _why_section(path.read_text())
+        if kept and "_To be completed" not in kept:
+            text = text.replace(_why_section(text), kept)
+    path.write_text(text)
+
+
+def _why_section(text: str) -> str:
+    """From the marker to the next second-level heading (or the end)."""
+    start = text.find(WHY_MARKER)
+    if start < 0:
+        return ""
+    end = text.find("\n## ", start)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    args = sys.argv[1:] if argv is None else argv
+    source = Path(args[0]) if args else Path(__file__).with_name("results.json")
+    target = Path(args[1]) if len(args) > 1 else source.with_name("RESULTS.md")
+    write(target, json.loads(source.read_text()))
+    print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()

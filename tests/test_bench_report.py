@@ -1,0 +1,91 @@
+"""The benchmark suite's pure parts: reading wrk's result line, ranking profile samples, and
+the report's targets and rendering (no servers, no wrk)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import report
+from bench.profiling import top_functions
+from bench.runner import Settings
+from bench.wrk import WrkError, parse_wrk_output
+
+WRK_OUTPUT = """Running 10s test @ http://127.0.0.1:8091
+  1 threads and 64 connections
+BENCH_RESULT {"duration_us":10000000,"requests":50000,"bytes":900000,"connect_errors":0,"read_errors":1,"write_errors":0,"status_errors":2,"timeouts":0,"p50_us":1200,"p90_us":2500,"p99_us":9000,"mean_us":1400.5}
+"""
+
+
+def test_wrk_result_line_is_parsed() -> None:
+    result = parse_wrk_output(WRK_OUTPUT)
+    assert result.rps == pytest.approx(5000.0)
+    assert result.errors == 3
+    assert (result.p50_us, result.p99_us) == (1200.0, 9000.0)
+
+
+def test_missing_result_line_is_an_error() -> None:
+    with pytest.raises(WrkError, match="no BENCH_RESULT"):
+        parse_wrk_output("Running 10s test\nunable to connect to 127.0.0.1:1\n")
+
+
+def test_profile_ranks_own_and_inclusive_time_without_the_event_loop() -> None:
+    collapsed = "\n".join([
+        "_run_code (<frozen runpy>:88);Runner.run (asyncio/runners.py:118);handle (shared/http.py:10);"
+        "parse (shared/validation.py:5) 30",
+        "_run_code (<frozen runpy>:88);Runner.run (asyncio/runners.py:118);handle (shared/http.py:12) 10",
+        "_run_code (<frozen runpy>:88);Runner.run (asyncio/runners.py:118) 60",
+    ])
+    profile = top_functions(collapsed)
+    assert profile["samples"] == 100
+    assert profile["top_own"][0] == ("Runner.run (asyncio/runners.py)", 60.0)
+    # Lines of one function merge; outer frames stay out of the inclusive ranking.
+    assert dict(profile["top_inclusive"]) == {"handle (shared/http.py)": 40.0, "parse (shared/validation.py)": 30.0}
+
+
+def _run(scenario: str, role: str, connections: int, rps: float, p50_us: float = 1000.0,
+         label: str = "state") -> dict:
+    return {"scenario": scenario, "label": label, "role": role, "connections": connections, "rep": 1,
+            "rps": rps, "p50_us": p50_us, "p90_us": p50_us, "p99_us": p50_us, "errors": 0}
+
+
+def _data(**extra: list) -> dict:
+    runs = [
+        _run("potential_loads", "ours", 64, 3000), _run("potential_loads", "reference", 64, 10000),
+        _run("potential_loads", "stub", 64, 3100),
+        _run("potential_loads", "ours", 1, 900, p50_us=300), _run("potential_loads", "reference", 1, 3000, p50_us=100),
+    ]
+    data = {"settings": Settings().__dict__, "meta": {}, "runs": runs, "ingest": [], "memory": [],
+            "profiles": [], "notes": []}
+    data.update(extra)
+    return data
+
+
+def test_targets_judge_ratios_from_medians() -> None:
+    rows = {target: (measured, verdict) for target, measured, verdict in report.targets(_data())}
+    assert rows["potential_loads: ≥ 90% of the bare stub (c=64)"] == ("0.97×", "**met**")
+    assert rows["potential_loads: ≥ 0.5× the reference (c=64)"] == ("0.30×", "**not met**")
+    assert rows["potential_loads: p50 at c=1 ≤ 1.3× the reference"][1] == "**not met**"
+    assert rows["loads: ≥ 0.35× the reference (c=64)"] == ("—", "not measured")
+
+
+def test_memory_and_ingest_targets() -> None:
+    data = _data(
+        memory=[{"role": "ours", "pairs": 1_000_000, "rss_empty": 0, "rss_filled": 150_000_000,
+                 "bytes_per_pair": 150.0}],
+        ingest=[{"role": "ours", "detail": "1 event per POST", "rep": rep, "blocks": 64_000, "seconds": 1.0,
+                 "blocks_per_s": rate} for rep, rate in ((1, 250_000), (2, 350_000), (3, 310_000))],
+    )
+    rows = {target: (measured, verdict) for target, measured, verdict in report.targets(data)}
+    assert rows["memory ≤ 200 B per indexed (block, worker) pair at 1M"][1] == "**met**"
+    assert rows["/events ≥ 300,000 blocks/s (1 event per POST)"] == ("310,000 blocks/s", "**met**")
+
+
+def test_rewriting_keeps_the_written_explanation(tmp_path) -> None:
+    path = tmp_path / "RESULTS.md"
+    report.write(path, _data())
+    text = path.read_text()
+    assert report.WHY_MARKER in text and "3,000" in text
+    path.write_text(text.replace("_To be completed from the profiles above and the analysis in "
+                                 "[ANALYSIS.md](ANALYSIS.md)._", "uvicorn costs 70 us per request."))
+    report.write(path, _data())
+    assert "uvicorn costs 70 us per request." in path.read_text()
