@@ -18,7 +18,6 @@ two's-complement reinterpretation is written.
 from __future__ import annotations
 
 import struct
-from array import array
 from collections.abc import Iterable, Sequence
 from typing import Final
 
@@ -134,8 +133,4 @@ def to_unsigned_list(values: Sequence[int]) -> list[int]:
     """`to_unsigned` over a list; values must already be known to lie in the u64/i64 range."""
     if not values or min(values) >= 0:
         return list(values)
-    if max(values) <= I64_MAX:
-        # Reinterpreting the i64 array's bytes as u64 is a third faster than masking each
-        # value in Python (this runs on every /query_by_hash with engine-style hashes).
-        return array("Q", array("q", values).tobytes()).tolist()
     return [value & U64_MASK for value in values]
