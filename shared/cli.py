@@ -40,7 +40,8 @@ def service_parser(prog: str, description: str, default_port: int) -> argparse.A
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="minimum level of log lines")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                         help="text lines, or one JSON object per line")
-    parser.add_argument("--access-log", action="store_true",
+    # --no-access-log too, so a command line can turn off what DYNAMO_LITE_ACCESS_LOG turned on.
+    parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                         help="log one line per HTTP request (method, path, status, duration, client, trace id)")
     parser.add_argument("--trace-id-header", default=DEFAULT_TRACE_ID_HEADER,
                         help="request header whose value the access log records as the trace id")

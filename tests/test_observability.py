@@ -404,6 +404,9 @@ def test_the_command_line_wins_over_the_environment() -> None:
     args = cli.parse_args(parser(), ["--port", "9002", "--log-format", "text"],
                           {"DYNAMO_LITE_PORT": "9001", "DYNAMO_LITE_LOG_FORMAT": "json"})
     assert (args.port, args.log_format) == (9002, "text")
+    on_by_environment = {"DYNAMO_LITE_ACCESS_LOG": "1"}
+    assert cli.parse_args(parser(), [], on_by_environment).access_log is True
+    assert cli.parse_args(parser(), ["--no-access-log"], on_by_environment).access_log is False
 
 
 @pytest.mark.parametrize("name, text, message", [
