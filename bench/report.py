@@ -28,7 +28,7 @@ TITLES = {
     "lifecycle": "slot tracker lifecycle mix `/add` → `/prefill_complete` → `/free`",
     "query_by_hash": "indexer `POST /query_by_hash` (512 hashes, 16 workers)",
 }
-WHY_MARKER = "<!-- WHY-TARGETS-NOT-MET: the lead completes this section with profiles and numbers -->"
+WHY_MARKER = "<!-- WHY-TARGETS-NOT-MET: written by hand from the run above; python -m bench keeps this section -->"
 
 
 class Table:
