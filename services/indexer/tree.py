@@ -77,6 +77,8 @@ from dynamo_lite.indexer.protocols import (
     Stored,
 )
 
+_TWO_TO_64 = 2**64
+
 WorkerKey = tuple[int, int]  # (worker_id, dp_rank)
 TransitionKey = tuple[Optional[int], int]  # (parent external hash | None, local hash)
 
@@ -511,12 +513,7 @@ class PrefixTree:
     def match(self, local_hashes: Sequence[int]) -> MatchResult:
         """Device score and lower-tier continuation of every slot; hashes may be u64 or i64."""
         by_bit = self._by_bit
-        stops, reached = self._match_device(local_hashes)
-        if reached < len(local_hashes) and local_hashes[reached] < 0:
-            # i64 input (as `/query_by_hash` sends it): a negative hash never matches, so the
-            # walk stops at the first one; only then is converting the whole query worth it.
-            local_hashes = to_unsigned_list(local_hashes)
-            stops, reached = self._match_device(local_hashes)
+        stops = self._match_device(local_hashes)
         recent = self._recent
         if recent is not None and stops:
             # Deepest first, so every prefix ends up more recent than what lies below it.
@@ -537,15 +534,20 @@ class PrefixTree:
             self._match_lower(to_unsigned_list(local_hashes), stops, result)
         return result
 
-    def _match_device(self, local_hashes: Sequence[int]) -> tuple[list[tuple[int, int, Node]], int]:
-        """(slots, depth, last node) for each group of slots that stopped at the same depth,
-        and the depth at which the walk stopped. This loop is the query's hot path."""
+    def _match_device(self, local_hashes: Sequence[int]) -> list[tuple[int, int, Node]]:
+        """(slots, depth, last node) for each group of slots that stopped at the same depth.
+        This loop is the query's hot path. Hashes may be i64 (as `/query_by_hash` sends them):
+        converting each one only when the walk reaches it costs a compare per matched block,
+        where converting the whole query first cost 13 us per 512 hashes however short the
+        match."""
         stops: list[tuple[int, int, Node]] = []
         node_class = Node
         node = self.root
         alive = -1  # every slot, until the first node says who holds it
         depth = 0
         for depth, local in enumerate(local_hashes):
+            if local < 0:
+                local += _TWO_TO_64
             child = node.child
             if child.__class__ is node_class:
                 if child.local != local:
@@ -569,7 +571,7 @@ class PrefixTree:
             depth = len(local_hashes)
         if depth and alive:
             stops.append((alive, depth, node))
-        return stops, depth
+        return stops
 
     def _match_lower(
         self, local_hashes: Sequence[int], stops: list[tuple[int, int, Node]], result: MatchResult
