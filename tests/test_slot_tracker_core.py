@@ -3,6 +3,8 @@ random lifecycles checked against a plain recomputation."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -198,6 +200,27 @@ def test_same_hashes_on_two_ranks_count_on_both(tracker: SlotTracker) -> None:
     assert projected == {0: 3, 1: 3}
 
 
+def test_potential_loads_with_hundreds_of_ranks_credits_every_holder(tracker: SlotTracker) -> None:
+    """Holder masks wider than a machine word, with a bit freed by an unregister and reused."""
+    rng = random.Random(11)
+    for worker in range(4):
+        tracker.register(worker, "m", "default", 16, 0, 70)
+    tracker.unregister(1, "m", "default")
+    tracker.register(9, "m", "default", 16, 100, 70)
+    ranks = [(w, r) for w in (0, 2, 3) for r in range(70)] + [(9, r) for r in range(100, 170)]
+    prefix = [rng.getrandbits(63) - 2**62 for _ in range(20)]
+    held: dict[tuple[int, int], set[int]] = {rank: set() for rank in ranks}
+    for i in range(600):
+        worker, rank = rng.choice(ranks)
+        hashes = prefix[: rng.randint(0, 20)] + [rng.randrange(1000) for _ in range(rng.randint(0, 8))]
+        tracker.add("m", "default", f"r{i}", worker, rank, hashes, 0)
+        held[(worker, rank)].update(hashes)
+    query = prefix + [rng.randrange(1000) for _ in range(30)]
+    projected = {(p.worker_id, p.dp_rank): p.potential_decode_blocks
+                 for p in tracker.potential_loads("m", "default", query, 0)}
+    assert projected == {rank: len(hashes | set(query)) for rank, hashes in held.items()}
+
+
 # --- invariants under random lifecycles ----------------------------------------------------
 
 PREFIXES = [[(p << 20) + i for i in range(n)] for p, n in enumerate([0, 3, 8, 20])]
@@ -223,7 +246,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.active: dict[str, tuple[int, int, list[int], int, float]] = {}
         self.next_id = 0
 
-    @rule(worker=st.integers(1, 4), dp_size=st.integers(1, 3))
+    # 70 ranks a worker takes holder masks past 64 and 128 bits, where big-int paths differ.
+    @rule(worker=st.integers(1, 4), dp_size=st.integers(1, 3) | st.just(70))
     def register(self, worker: int, dp_size: int) -> None:
         if worker in self.ranks:
             with pytest.raises(Conflict):

@@ -4,9 +4,9 @@ Per rank slot the tracker keeps a refcount per block hash held by its active req
 `active_decode_blocks` is the number of distinct hashes and a hash stays counted until the
 last request holding it leaves. Per tracker, `holders` maps each active hash to a bitmask of
 the rank slots holding it: a `/potential_loads` projection then costs one dict lookup per
-query hash, plus a few bit operations per run of consecutive hashes with the same holders
-(real chained hashes form at most a handful of such runs), independent of how many requests
-are active.
+query hash, plus one pass over the set bits of each distinct holder mask among them (real
+chained hashes have a handful of distinct masks: a shared prefix is one), independent of how
+many requests are active.
 
 Requests are kept in an OrderedDict in `/add` order, which is also their expiry order (the
 TTL is the same for all), so expiry pops from the front and never scans.
@@ -18,6 +18,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import compress
+from itertools import count as naturals
 
 from sortedcontainers import SortedDict
 
@@ -33,12 +35,13 @@ TrackerKey = tuple[str, str]
 class RankSlot:
     """One (worker_id, dp_rank) with its own load."""
 
-    __slots__ = ("worker_id", "dp_rank", "bit", "block_refs", "prefill_tokens", "request_count")
+    __slots__ = ("worker_id", "dp_rank", "bit", "index", "block_refs", "prefill_tokens", "request_count")
 
     def __init__(self, worker_id: int, dp_rank: int, bit: int) -> None:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.bit = bit  # a single set bit: this slot's place in `Tracker.holders` masks
+        self.index = bit.bit_length() - 1  # that bit's position: a small, cheaply hashed key
         self.block_refs: dict[int, int] = {}
         self.prefill_tokens = 0
         self.request_count = 0
@@ -299,7 +302,7 @@ class SlotTracker:
                 slot.worker_id,
                 slot.dp_rank,
                 slot.prefill_tokens + new_isl_tokens,
-                len(slot.block_refs) + query_length - held.get(slot.bit, 0),
+                len(slot.block_refs) + query_length - held.get(slot.index, 0),
                 slot.request_count,
             )
             for w in tracker.workers.values()
@@ -367,23 +370,21 @@ def _release(tracker: Tracker, request: ActiveRequest) -> None:
     slot.request_count -= 1
 
 
-def _held_counts(holders: dict[int, int], sequence_hashes: Iterable[int]) -> dict[int, int]:
-    """For each slot bit, how many query hashes that slot holds.
+# Maps the digits of bin(mask) to 0/1 bytes, which `compress` reads as selectors.
+_BINARY_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
 
-    Walking a mask's bits is the costly step, so hashes are first counted per holder mask (at C
-    speed, in `Counter`) and each distinct mask is walked once: a shared prefix held by the same
-    ranks costs one walk however long it is and in whatever order its hashes come. Hashes no
-    rank holds are dropped before counting (`filter` at C speed): 21 instead of 29 us for a
-    512-hash query of which 128 are held.
+
+def _held_counts(holders: dict[int, int], sequence_hashes: Iterable[int]) -> dict[int, int]:
+    """For each slot index, how many query hashes that slot holds.
+
+    Hashes are first counted per holder mask (at C speed, in `Counter`; hashes no rank holds
+    are dropped first by `filter`), so a shared prefix held by the same ranks costs one mask
+    however long it is and in whatever order its hashes come. Each distinct mask's set bits
+    are then found by reading its binary digits lowest first: `mask & -mask` stepping through a
+    256-rank mask built a new big int per bit (20 us for 112 set bits, against 8 us this way).
     """
     held: dict[int, int] = {}
-    for mask, count in Counter(filter(None, map(holders.get, sequence_hashes))).items():
-        _credit(held, mask, count)
+    for mask, hits in Counter(filter(None, map(holders.get, sequence_hashes))).items():
+        for index in compress(naturals(), bin(mask)[:1:-1].encode().translate(_BINARY_DIGITS)):
+            held[index] = held.get(index, 0) + hits
     return held
-
-
-def _credit(held: dict[int, int], mask: int, count: int) -> None:
-    while mask:
-        bit = mask & -mask
-        held[bit] = held.get(bit, 0) + count
-        mask ^= bit
