@@ -27,6 +27,7 @@ U64_MASK: Final = 2**64 - 1
 I64_MIN: Final = -(2**63)
 I64_MAX: Final = 2**63 - 1
 U64_MAX: Final = U64_MASK
+U64_MODULUS: Final = 2**64  # an i64 plus this is the u64 with the same bits
 
 # Dynamo's `XXH3_SEED` for local block hashes.
 LOCAL_HASH_SEED: Final = 1337
@@ -108,8 +109,6 @@ def sequence_hashes(local_hashes: Iterable[int], seed: int = SEQUENCE_HASH_SEED)
     return result
 
 
-_TWO_TO_64: Final = 2**64
-
 
 def to_signed(value: int) -> int:
     """The i64 with the same 64 bits as `value` (a u64, or an i64 already)."""
@@ -137,5 +136,5 @@ def to_unsigned_list(values: Sequence[int]) -> list[int]:
     if not values or min(values) >= 0:
         return list(values)
     # `% 2**64` gives the same bits as `& U64_MASK` a third faster: CPython's bitwise `&` on a
-    # negative int builds two's-complement copies first (this runs on every /query_by_hash).
-    return [value % _TWO_TO_64 for value in values]
+    # negative int builds two's-complement copies first.
+    return [value % U64_MODULUS for value in values]

@@ -21,7 +21,6 @@ import dataclasses
 import inspect
 import json
 import logging
-from bisect import bisect_left
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from time import perf_counter
@@ -46,7 +45,7 @@ from .errors import (
     UnsupportedMediaType,
 )
 from .logs import AccessLog
-from .metrics import DISCONNECTED, UNMATCHED_ROUTE, RequestMetrics, new_registry
+from .metrics import DISCONNECTED, UNMATCHED_ROUTE, RequestMetrics, RouteSeries, new_registry
 
 logger = logging.getLogger("dynamo_lite.http")
 
@@ -377,7 +376,6 @@ class Service(Starlette):
             for route in self.routes
             if isinstance(route, Route) and isinstance(route.endpoint, DirectEndpoint)
         }
-        self._buckets = self.request_metrics.buckets
         self.access_log: AccessLog | None = None
 
     def _readiness(self, lifespan: Lifespan | None) -> Lifespan:
@@ -398,12 +396,7 @@ class Service(Starlette):
             if direct is not None and scope["method"] in direct[0]:
                 start = perf_counter()
                 status = await direct[1](scope, receive, send)
-                seconds = perf_counter() - start
-                series = direct[2][status]
-                series[bisect_left(self._buckets, seconds)] += 1
-                series[-1] += seconds
-                if self.access_log is not None:
-                    self.access_log(scope, status, seconds)
+                self._record(scope, direct[2], status, perf_counter() - start)
                 return
             await self._serve_routed(scope, receive, send)
             return
@@ -423,13 +416,14 @@ class Service(Starlette):
         try:
             await super().__call__(scope, receive, capture_status)
         finally:
-            seconds = perf_counter() - start
             path = scope["path"]
-            series = self.request_metrics.route(path if path in self._paths else UNMATCHED_ROUTE)[status]
-            series[bisect_left(self._buckets, seconds)] += 1
-            series[-1] += seconds
-            if self.access_log is not None:
-                self.access_log(scope, status, seconds)
+            route = self.request_metrics.route(path if path in self._paths else UNMATCHED_ROUTE)
+            self._record(scope, route, status, perf_counter() - start)
+
+    def _record(self, scope: Scope, route: RouteSeries, status: int, seconds: float) -> None:
+        route.record(status, seconds)
+        if self.access_log is not None:
+            self.access_log(scope, status, seconds)
 
 
 __all__ = [

@@ -15,6 +15,7 @@ the tests, never share or collide.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
@@ -36,17 +37,22 @@ DISCONNECTED: Final = 499  # the status recorded when the client left before its
 class RouteSeries(dict):  # type: ignore[type-arg]
     """status -> [count per bucket..., count above the last bucket, sum of seconds]."""
 
-    __slots__ = ("size",)
+    __slots__ = ("buckets",)
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
         super().__init__()
-        self.size = size
+        self.buckets = buckets
 
     def __missing__(self, status: int) -> list[float]:
-        series: list[float] = [0] * self.size
+        series: list[float] = [0] * (len(self.buckets) + 2)
         series[-1] = 0.0
         self[status] = series
         return series
+
+    def record(self, status: int, seconds: float) -> None:
+        series = self[status]
+        series[bisect_left(self.buckets, seconds)] += 1
+        series[-1] += seconds
 
 
 class RequestMetrics:
@@ -57,11 +63,10 @@ class RequestMetrics:
         self.routes: dict[str, RouteSeries] = {}
 
     def route(self, path: str) -> RouteSeries:
-        """The series of one route, to keep beside its endpoint and record into with
-        `series[status][bisect_left(buckets, seconds)] += 1; series[status][-1] += seconds`."""
+        """The series of one route, to keep beside its endpoint and `record` into."""
         series = self.routes.get(path)
         if series is None:
-            series = self.routes[path] = RouteSeries(len(self.buckets) + 2)
+            series = self.routes[path] = RouteSeries(self.buckets)
         return series
 
     def collect(self) -> Iterator[Metric]:

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional, Union
 
-from dynamo_lite.hashing import to_unsigned_list
+from dynamo_lite.hashing import U64_MODULUS, to_unsigned_list
 from dynamo_lite.indexer.protocols import (
     DEVICE,
     LOWER_TIERS,
@@ -76,8 +76,6 @@ from dynamo_lite.indexer.protocols import (
     StorageTier,
     Stored,
 )
-
-_TWO_TO_64 = 2**64
 
 WorkerKey = tuple[int, int]  # (worker_id, dp_rank)
 TransitionKey = tuple[Optional[int], int]  # (parent external hash | None, local hash)
@@ -547,7 +545,7 @@ class PrefixTree:
         depth = 0
         for depth, local in enumerate(local_hashes):
             if local < 0:
-                local += _TWO_TO_64
+                local += U64_MODULUS
             child = node.child
             if child.__class__ is node_class:
                 if child.local != local:
