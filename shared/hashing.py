@@ -97,6 +97,41 @@ def local_block_hashes(
     return [xxh3_64_intdigest(data[start : start + step], seed) for start in range(0, count * step, step)]
 
 
+def local_block_hashes_with_media(
+    tokens: Sequence[int],
+    block_size: int,
+    media: Sequence[Sequence[int] | None],
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    window: int = 0,
+) -> list[int]:
+    """`local_block_hashes` for blocks that carry multimodal objects, or Eagle windows.
+
+    `media[i]` lists the multimodal hashes (u64) of block i, or None: Dynamo appends them,
+    sorted, as little-endian u64 after the block's token bytes (checked against Dynamo 1.6.1's
+    `compute_block_hash_for_seq(block_mm_infos=...)`). `window` extra tokens are hashed with
+    each block (Eagle speculative decoding hashes `block_size + 1` tokens at a stride of
+    `block_size`); the blocks are still `block_size` apart.
+    """
+    if block_size <= 0:
+        return []
+    data = _token_bytes(tokens)
+    count = (len(tokens) - window) // block_size
+    seed = block_hash_seed(lora_name, cache_salt)
+    step = block_size * 4
+    span = step + window * 4
+    hashes = []
+    for index in range(max(count, 0)):
+        start = index * step
+        block = data[start : start + span]
+        extra = media[index] if index < len(media) else None
+        if extra:
+            block += struct.pack(f"<{len(extra)}Q", *sorted(value & U64_MASK for value in extra))
+        hashes.append(xxh3_64_intdigest(block, seed))
+    return hashes
+
+
 def sequence_hashes(local_hashes: Iterable[int], seed: int = SEQUENCE_HASH_SEED) -> list[int]:
     """Dynamo's chained block hashes: seq[0] = local[0],
     seq[i] = XXH3(le_u64(seq[i-1]) || le_u64(local[i]), seed). Inputs may be u64 or i64."""
