@@ -19,7 +19,8 @@ produces both from one list of events, so a test can feed the reference and ours
 * ours (§7): one RouterEvent per wire event, `tokens_hash` = the local block hash of each
   block's tokens (with the event's lora_name / cache_salt), `block_hash` = the engine's
   external hash, `storage_tier` from the medium (None/"GPU" device, "CPU" host_pinned, "DISK"
-  disk), `event_id` counting from 0 per (worker, dp_rank) across all of the engine's events.
+  disk), `event_id` = the seq of the batch the event came in (Dynamo's live RouterEvents carry
+  the batch's ZMQ sequence number), so a batch of several events shares one id.
 
 The slow-joiner problem: a SUB socket that connects after messages were published never sees
 them, and the reference connects only after `/register`. The engine binds an XPUB socket with
@@ -184,8 +185,7 @@ class FakeEngine:
         self._socket.setsockopt(zmq.LINGER, 0)
         port = self._socket.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.seq = 0  # next ZMQ sequence number
-        self.next_event_id = 0  # next RouterEvent event_id for ours
+        self.seq = 0  # next ZMQ sequence number, and the event_id of its RouterEvents
         self.subscribers = 0
         self.published: list[dict[str, Any]] = []  # RouterEvents not yet taken by `take_router_events`
 
@@ -202,11 +202,12 @@ class FakeEngine:
             "dp_rank": self.dp_rank,
         }
 
-    def our_registration(self) -> dict[str, Any]:
-        """`POST /register` body for ours."""
+    def our_registration(self, *, subscribe: bool) -> dict[str, Any]:
+        """`POST /register` body for ours: with `subscribe`, ours listens to this engine's
+        socket itself; without, it is fed the same events over `POST /events`."""
         return {
             "instance_id": self.worker_id,
-            "endpoint": self.endpoint,
+            "endpoint": self.endpoint if subscribe else None,
             "model_name": self.model_name,
             "block_size": self.block_size,
             "tenant_id": self.tenant_id,
@@ -241,11 +242,9 @@ class FakeEngine:
         ]
         payload = msgpack.packb(batch, use_bin_type=True)
         self._socket.send_multipart([self.topic, struct.pack(">Q", self.seq), payload])
+        # As in Dynamo's RouterEvent stream, every event of the batch carries its seq as id.
+        produced = [router_event(event, self.worker_id, self.dp_rank, self.seq) for event in events]
         self.seq += 1
-        produced = []
-        for event in events:
-            produced.append(router_event(event, self.worker_id, self.dp_rank, self.next_event_id))
-            self.next_event_id += 1
         self.published.extend(produced)
         return produced
 
@@ -470,15 +469,20 @@ class Workload:
                 for _ in range(count)]
 
     def run(self, ops: int, weights: dict[str, int]) -> int:
-        """`ops` random operations, each on a random engine, each published as one batch.
+        """`ops` random operations on random engines. An engine publishes what one scheduler
+        step did as one batch: usually one operation, often several (a step that prefills one
+        request, decodes others and evicts for them), all under one sequence number.
         Returns the number of engine events published."""
         names = [name for name, weight in weights.items() if weight]
         values = [weights[name] for name in names]
-        published = 0
-        for _ in range(ops):
+        published = done = 0
+        while done < ops:
             engine = self.rng.choice(self.engines)
-            op = self.rng.choices(names, values)[0]
-            events = getattr(self, f"_op_{op}")(engine)
+            steps = min(self.rng.choice((1, 1, 1, 2, 3, 5)), ops - done)
+            events: list[EngineEvent] = []
+            for op in self.rng.choices(names, values, k=steps):
+                events += getattr(self, f"_op_{op}")(engine)
+            done += steps
             if events:
                 engine.publish(events)
                 published += len(events)

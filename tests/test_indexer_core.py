@@ -626,18 +626,50 @@ def test_watermarks_skip_redeliveries_and_report_gaps() -> None:
         indexer,
         doc(
             stored(1, 0, None, [11], L[:1]),
-            stored(1, 0, None, [11], L[:1]),  # re-delivery
+            stored(1, 0, None, [11], L[:1]),  # same batch (id 0): applied, a no-op store
             stored(1, 3, 11, [12], L[1:2]),  # gap: 1 and 2 missing
             removed(1, 2, [12]),  # late: skipped
             stored(2, 5, None, [21], L[:1]),  # first event of a worker is not 0
             cleared(1, 4, dp_rank=1),  # another rank, its own watermark
         ),
     )
-    assert (report.applied, report.skipped, report.rejected, report.gap_count) == (4, 2, 0, 3)
+    assert (report.applied, report.skipped, report.rejected, report.gap_count) == (5, 1, 0, 3)
     assert report.gaps == [Gap(1, 0, 1, 3), Gap(2, 0, 0, 5), Gap(1, 1, 0, 4)]
     assert scores(indexer, L) == {"1": {"0": 32}, "2": {"0": 16}}
     again = apply(indexer, doc(stored(1, 3, 11, [12], L[1:2]), stored(1, 4, 12, [13], L[2:3])))
     assert (again.applied, again.skipped, again.gap_count) == (1, 1, 0)
+
+
+def test_every_event_of_a_multi_event_batch_is_applied() -> None:
+    """Dynamo gives every event of one engine batch the batch's sequence number as event_id."""
+    indexer = Indexer()
+    report = apply(indexer, doc(stored(1, 0, None, [11], L[:1]), stored(1, 0, 11, [12], L[1:2])))
+    assert (report.applied, report.skipped, report.gap_count) == (2, 0, 0)
+    assert scores(indexer, L) == {"1": {"0": 32}}
+    batch = doc(stored(1, 1, 12, [13], L[2:3]), removed(1, 1, [13]), stored(1, 1, 12, [13], L[2:3]))
+    assert apply(indexer, batch).applied == 3
+    assert scores(indexer, L) == {"1": {"0": 48}}
+    # The same batch delivered again, whole: skipped whole, nothing applied twice.
+    redelivered = apply(indexer, batch)
+    assert (redelivered.applied, redelivered.skipped) == (0, 3)
+    assert scores(indexer, L) == {"1": {"0": 48}}
+
+
+def test_a_batch_is_consecutive_events_of_one_rank() -> None:
+    indexer = Indexer()
+    apply(indexer, doc(stored(1, 5, None, [11], L[:1])))
+    report = apply(
+        indexer,
+        doc(
+            stored(1, 6, 11, [12], L[1:2]),
+            stored(2, 0, None, [11], L[:1]),  # another worker between them: still one batch of 1
+            stored(1, 6, 12, [13], L[2:3]),
+            removed(1, 5, [13]),  # an old batch: skipped, and it ends batch 6 for worker 1
+            removed(1, 6, [13]),  # id 6 again after that: a re-delivery, not batch 6 going on
+        ),
+    )
+    assert (report.applied, report.skipped, report.gap_count) == (3, 2, 0)
+    assert scores(indexer, L) == {"1": {"0": 48}, "2": {"0": 16}}
 
 
 def test_rejections_are_counted_with_reasons() -> None:

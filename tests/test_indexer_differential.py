@@ -126,8 +126,10 @@ def post(service: Service, path: str, body: Any, expect: int | None = 200) -> ht
     return response
 
 
-def register(service: Service, engine: FakeEngine) -> None:
-    body = engine.reference_registration() if service.reference else engine.our_registration()
+def register(service: Service, engine: FakeEngine, *, subscribe: bool = False) -> None:
+    """Register `engine` with `service`: the reference always subscribes to its socket; ours
+    does when `subscribe`, and is otherwise fed over POST /events (`feed_ours`)."""
+    body = engine.reference_registration() if service.reference else engine.our_registration(subscribe=subscribe)
     post(service, "/register", body, 201)
 
 
@@ -137,9 +139,13 @@ def unregister(service: Service, engine: FakeEngine) -> None:
                                   field_name: engine.tenant_id, "dp_rank": engine.dp_rank})
 
 
-def feed_ours(service: Service, workload: Workload) -> dict[str, Any]:
-    """POST the events published since the last call; every one must be applied."""
-    report = post(service, "/events", workload.router_events_document()).json()
+def feed_ours(service: Service, workload: Workload, subscribed: bool = False) -> dict[str, Any] | None:
+    """POST the events published since the last call; every one must be applied. Nothing to
+    do (but forget them) when ours subscribed to the engines itself."""
+    document = workload.router_events_document()
+    if subscribed:
+        return None
+    report = post(service, "/events", document).json()
     assert report["rejected"] == 0 and report["skipped"] == 0 and report["gap_count"] == 0, report
     return report
 
@@ -294,9 +300,17 @@ PLAN = [
 ]
 
 
+FEEDS = ["events", "zmq"]
+
+
 @pytest.mark.parametrize("seed", SEEDS)
-def test_random_event_stream_answers_like_the_reference(services: Services, seed: int) -> None:
+@pytest.mark.parametrize("feed", FEEDS)
+def test_random_event_stream_answers_like_the_reference(services: Services, feed: str, seed: int) -> None:
+    """`feed` "events": ours gets every batch as RouterEvents over POST /events (a batch's
+    events share its seq as event_id); "zmq": ours subscribes to the same engine sockets as
+    the references, and all three decode the same bytes."""
     rng = random.Random(seed)
+    subscribe = feed == "zmq"
     context = zmq.Context()
     engines = make_engines(seed, context)
     registered: list[tuple[Service, FakeEngine]] = []
@@ -307,19 +321,19 @@ def test_random_event_stream_answers_like_the_reference(services: Services, seed
         workload = Workload(rng, engines)
         for engine in engines:
             for service in services.all:
-                register(service, engine)
+                register(service, engine, subscribe=subscribe)
                 registered.append((service, engine))
         for engine in engines:
-            engine.wait_for_subscribers(len(services.references))
+            engine.wait_for_subscribers(len(services.references) + subscribe)
         for number, (label, weights, ops, clears) in enumerate(PLAN):
             workload.run(ops, weights)
             for engine in rng.sample(workload.engines, clears):
                 workload.clear(engine)
-            feed_ours(services.ours, workload)
+            feed_ours(services.ours, workload, subscribe)
             expected = workload.expected_facts()
             for service in services.all:
                 wait_for_facts(service, expected)
-            where = f"seed {seed} round {number} ({label})"
+            where = f"{feed} seed {seed} round {number} ({label})"
             for key in workload.partitions:
                 queries = workload.sample_queries(key, QUERIES)
                 sent += compare_queries(services.all, queries, workload, mismatches, where, rng, coverage)
@@ -343,14 +357,14 @@ def test_random_event_stream_answers_like_the_reference(services: Services, seed
         key = f"{emptied.model_name}:{emptied.tenant_id}"
         for engine in list(workload.partitions[key].engines):
             workload.clear(engine)
-        feed_ours(services.ours, workload)
+        feed_ours(services.ours, workload, subscribe)
         expected = workload.expected_facts()
         assert not expected[key]
         for service in services.all:
             wait_for_facts(service, expected)
         sent += compare_queries(services.all, workload.sample_queries(key, QUERIES // 4), workload, mismatches,
                                 f"seed {seed} after clearing every worker of {key}", rng)
-        print(f"seed {seed}: {sent} queries compared across {len(services.all)} services, "
+        print(f"{feed} seed {seed}: {sent} queries compared across {len(services.all)} services, "
               f"{sum(len(c.blocks) for c in (p.chains for p in workload.partitions.values()))} distinct blocks; "
               f"{coverage}")
     finally:

@@ -114,7 +114,9 @@ def test_a_bad_document_applies_nothing_and_names_the_event(client: TestClient) 
 
 
 def test_register_workers_and_unregister(client: TestClient) -> None:
-    register = {"instance_id": 301, "model_name": "m5", "block_size": 4, "dp_rank": 1, "endpoint": "tcp://x:1"}
+    # Nobody publishes there: the listener stays "connecting", nothing blocks.
+    register = {"instance_id": 301, "model_name": "m5", "block_size": 4, "dp_rank": 1,
+                "endpoint": "ipc:///nonexistent/engine"}
     assert post(client, "/register", register).status_code == 201
     assert_error(post(client, "/register", register), 409, "instance 301 dp_rank 1 already registered")
     assert_error(post(client, "/register", {**register, "dp_rank": 0, "block_size": 8}), 409,
@@ -126,11 +128,14 @@ def test_register_workers_and_unregister(client: TestClient) -> None:
     assert_error(post(client, "/register", {**register, "instance_id": 9, "tenant_id": "a:b"}), 400)
     assert post(client, "/register", {**register, "dp_rank": 0}).status_code == 201
     workers = client.get("/workers?model_name=m5").json()
+    listeners = [rank.pop("listener") for rank in workers[0]["ranks"]]
     assert workers == [{"instance_id": 301, "model_name": "m5", "tenant_id": "default", "block_size": 4, "ranks": [
-        {"dp_rank": 0, "source": "register", "endpoint": "tcp://x:1", "blocks": 0, "lower_tier_blocks": 0,
-         "last_event_id": None},
-        {"dp_rank": 1, "source": "register", "endpoint": "tcp://x:1", "blocks": 0, "lower_tier_blocks": 0,
-         "last_event_id": None}]}]
+        {"dp_rank": 0, "source": "register", "endpoint": "ipc:///nonexistent/engine", "blocks": 0,
+         "lower_tier_blocks": 0, "last_event_id": None, "replay_endpoint": None},
+        {"dp_rank": 1, "source": "register", "endpoint": "ipc:///nonexistent/engine", "blocks": 0,
+         "lower_tier_blocks": 0, "last_event_id": None, "replay_endpoint": None}]}]
+    assert [(listener["status"], listener["endpoint"], listener["batches"]) for listener in listeners] == [
+        ("connecting", "ipc:///nonexistent/engine", 0)] * 2
     assert client.get("/workers?tenant_id=nope").json() == []
     assert_error(post(client, "/unregister", {"instance_id": 401, "model_name": "m5"}), 404, "instance 401 not found")
     assert_error(post(client, "/unregister", {"instance_id": 301, "model_name": "m9"}), 404,
@@ -140,6 +145,25 @@ def test_register_workers_and_unregister(client: TestClient) -> None:
     assert post(client, "/unregister", {"instance_id": 301, "model_name": "m5"}).status_code == 200
     assert client.get("/workers").json() == []
     assert_error(post(client, "/query_by_hash", {"model_name": "m5", "block_hashes": []}), 404)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"endpoint": "nonsense"}, "invalid ZMQ endpoint `nonsense`: missing scheme"),
+        ({"endpoint": "tcp://host"}, "invalid ZMQ endpoint `tcp://host`: expected tcp://host:port with a port in 1..65535"),
+        ({"endpoint": "tcp://host:0"}, "invalid ZMQ endpoint `tcp://host:0`: expected tcp://host:port with a port in 1..65535"),
+        ({"endpoint": "tcp://*:5557"}, "invalid ZMQ endpoint `tcp://*:5557`: expected tcp://host:port with a port in 1..65535"),
+        ({"endpoint": "udp://h:1"}, "invalid ZMQ endpoint `udp://h:1`: scheme must be tcp, ipc or inproc"),
+        ({"endpoint": "ipc://"}, "invalid ZMQ endpoint `ipc://`: empty ipc address"),
+        ({"endpoint": "tcp://h:1", "replay_endpoint": "bogus"}, "invalid replay endpoint `bogus`: missing scheme"),
+        ({"replay_endpoint": "tcp://h:2"}, "replay_endpoint needs an endpoint to subscribe to"),
+    ],
+)
+def test_register_checks_endpoints(client: TestClient, fields: dict[str, str], message: str) -> None:
+    body = {"instance_id": 5, "model_name": "m", "block_size": 4, **fields}
+    assert_error(post(client, "/register", body), 400, message)
+    assert client.get("/workers").json() == []
 
 
 def test_unregister_drops_the_workers_blocks(client: TestClient) -> None:

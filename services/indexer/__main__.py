@@ -9,6 +9,7 @@ import sys
 from dynamo_lite.cli import configure_logging, parse_args, positive_float, serve, service_parser
 
 from .app import create_app
+from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Subscription, validate_endpoint
 
 DEFAULT_PORT = 8090
 
@@ -17,6 +18,54 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def parse_workers(text: str, *, model_name: str, tenant_id: str, block_size: int | None) -> list[Subscription]:
+    """`--workers id[:dp]=endpoint[+replay_endpoint],...` as subscriptions of one partition.
+
+    The same syntax as Dynamo's `--workers`, plus an optional replay endpoint after a `+`.
+    Raises ValueError with a message naming the bad entry.
+    """
+    entries = [entry.strip() for entry in text.split(",") if entry.strip()]
+    if not entries:
+        return []
+    if block_size is None:
+        raise ValueError("--block-size is required when --workers is given")
+    subscriptions: list[Subscription] = []
+    seen: set[tuple[int, int]] = set()
+    for entry in entries:
+        worker, equals, endpoints = entry.partition("=")
+        if not equals or not endpoints:
+            raise ValueError(f"--workers entry {entry!r}: expected id[:dp_rank]=endpoint[+replay_endpoint]")
+        instance, colon, rank = worker.partition(":")
+        try:
+            worker_id = int(instance)
+            dp_rank = int(rank) if colon else 0
+        except ValueError:
+            raise ValueError(f"--workers entry {entry!r}: the instance id and dp rank must be integers") from None
+        if not 0 <= worker_id < 2**64 or not 0 <= dp_rank < 2**32:
+            raise ValueError(f"--workers entry {entry!r}: instance id must be a u64 and dp rank a u32")
+        if (worker_id, dp_rank) in seen:
+            raise ValueError(f"--workers entry {entry!r}: instance {worker_id} dp_rank {dp_rank} is listed twice")
+        seen.add((worker_id, dp_rank))
+        endpoint, plus, replay = endpoints.partition("+")
+        try:
+            validate_endpoint(endpoint)
+            if plus:
+                validate_endpoint(replay, "replay endpoint")
+        except Exception as error:  # InvalidArgument: its message is the explanation
+            raise ValueError(f"--workers entry {entry!r}: {error}") from None
+        subscriptions.append(
+            Subscription(model_name, tenant_id, block_size, worker_id, dp_rank, endpoint, replay if plus else None)
+        )
+    return subscriptions
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return value
 
 
@@ -64,7 +113,36 @@ def main(argv: list[str] | None = None) -> None:
         help="when the snapshot cannot be read, move it to PATH.bad and start empty instead of "
         "refusing to start",
     )
+    engines = parser.add_argument_group(
+        "engines", "subscribe at start-up to engines that publish KV events over ZMQ (vLLM, SGLang); "
+        "POST /register with an endpoint does the same while running"
+    )
+    engines.add_argument(
+        "--workers",
+        default="",
+        metavar="ID[:DP]=ENDPOINT[+REPLAY],...",
+        help="engines to subscribe to, e.g. '7=tcp://10.0.0.7:5557+tcp://10.0.0.7:5558,8:1=tcp://10.0.0.8:5558': "
+        "instance id, data-parallel rank (default 0), the engine's PUB endpoint and, after '+', its replay "
+        "(ROUTER) endpoint",
+    )
+    engines.add_argument("--block-size", type=_positive_int, default=None,
+                         help="tokens per KV block of the --workers' model (required with --workers)")
+    engines.add_argument("--model-name", default="default", help="model of the --workers")
+    engines.add_argument("--tenant-id", "--routing-group", dest="tenant_id", default="default",
+                         help="tenant (Dynamo: routing group) of the --workers")
+    engines.add_argument(
+        "--replay-timeout-secs",
+        type=positive_float,
+        default=DEFAULT_REPLAY_TIMEOUT_SECS,
+        help="how long a listener waits for an engine to finish answering a replay request before it "
+        "counts the missing batches as lost",
+    )
     args = parse_args(parser, argv)
+    try:
+        workers = parse_workers(args.workers, model_name=args.model_name, tenant_id=args.tenant_id,
+                                block_size=args.block_size)
+    except ValueError as error:
+        parser.error(str(error))
     configure_logging(args.log_level, args.log_format)
     peers = [url.strip() for url in args.peers.split(",") if url.strip()]
     logging.getLogger("dynamo_lite.indexer").info(
@@ -77,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         snapshot=args.snapshot,
         snapshot_interval_secs=args.snapshot_interval_secs,
         ignore_bad_snapshot=args.ignore_bad_snapshot,
+        workers=workers,
+        replay_timeout_secs=args.replay_timeout_secs,
     )
     serve(app, args)
 

@@ -20,7 +20,8 @@ from dynamo_lite.errors import InvalidArgument
 from dynamo_lite.http import HandlerResult, QueryParams
 from dynamo_lite.validation import expect_object
 
-from .metrics import IndexerCollector
+from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
+from .metrics import IndexerCollector, ListenerCollector
 from .peers import PeerList, recover
 from .snapshot import Snapshots
 from .protocols import parse_events_document
@@ -38,38 +39,69 @@ _FILTERS = frozenset({"model_name", "tenant_id", "routing_group"})
 class IndexerRoutes:
     """One method per route; each returns (status, JSON-serialisable payload)."""
 
-    def __init__(self, indexer: Indexer, peers: PeerList) -> None:
+    def __init__(self, indexer: Indexer, peers: PeerList, listeners: Listeners) -> None:
         self.indexer = indexer
         self.peers = peers
+        self.listeners = listeners
 
     def register(self, body: Any) -> HandlerResult:
         body = expect_object(body, "RegisterRequest")
-        self.indexer.register(
-            validation.u64(body, "instance_id"),
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-            validation.u32(body, "block_size"),
-            validation.u32(body, "dp_rank", 0),
-            validation.optional_string(body, "endpoint"),
+        instance_id = validation.u64(body, "instance_id")
+        model_name = validation.string(body, "model_name")
+        tenant_id = validation.tenant(body)
+        block_size = validation.u32(body, "block_size")
+        dp_rank = validation.u32(body, "dp_rank", 0)
+        endpoint = validation.optional_string(body, "endpoint")
+        replay_endpoint = validation.optional_string(body, "replay_endpoint")
+        # Shape first (422), then values (400), as Dynamo checks them.
+        if endpoint is not None:
+            validate_endpoint(endpoint)
+        if replay_endpoint is not None:
+            if endpoint is None:
+                raise InvalidArgument("replay_endpoint needs an endpoint to subscribe to")
+            validate_endpoint(replay_endpoint, "replay endpoint")
+        self.subscribe(
+            Subscription(model_name, tenant_id, block_size, instance_id, dp_rank, endpoint or "", replay_endpoint)
         )
         return 201, OK
+
+    def subscribe(self, subscription: Subscription) -> None:
+        """Register the rank; with an endpoint, start listening to its engine."""
+        sub = subscription
+        self.indexer.register(
+            sub.worker_id, sub.model_name, sub.tenant_id, sub.block_size, sub.dp_rank,
+            sub.endpoint or None, sub.replay_endpoint,
+        )
+        if sub.endpoint:
+            self.listeners.start(sub)
+            logger.info("worker %d dp_rank %d of model=%s tenant_id=%s: subscribing to %s%s", sub.worker_id,
+                        sub.dp_rank, sub.model_name, sub.tenant_id, sub.endpoint,
+                        f" (replay: {sub.replay_endpoint})" if sub.replay_endpoint else "")
 
     def unregister(self, body: Any) -> HandlerResult:
         body = expect_object(body, "UnregisterRequest")
         dp_rank = None if body.get("dp_rank") is None else validation.u32(body, "dp_rank")
-        self.indexer.unregister(
+        dropped = self.indexer.unregister(
             validation.u64(body, "instance_id"),
             validation.string(body, "model_name"),
             validation.tenant(body),
             dp_rank,
         )
+        self.listeners.stop(dropped)
         return 200, OK
 
     def workers(self, params: QueryParams) -> HandlerResult:
         tenant = None
         if "tenant_id" in params or "routing_group" in params:
             tenant = validation.resolve_tenant(params.get("tenant_id"), params.get("routing_group"))
-        return 200, self.indexer.workers(params.get("model_name"), tenant)
+        workers = self.indexer.workers(params.get("model_name"), tenant)
+        if len(self.listeners):
+            for worker in workers:
+                for rank in worker.ranks:
+                    listener = self.listeners.get((worker.instance_id, rank.dp_rank))
+                    if listener is not None:
+                        rank.listener = listener.info()
+        return 200, workers
 
     def events(self, body: Any) -> HandlerResult:
         return 200, self.indexer.apply_events(parse_events_document(body))
@@ -142,14 +174,18 @@ def create_app(
     snapshot: str | None = None,
     snapshot_interval_secs: float = 30.0,
     ignore_bad_snapshot: bool = False,
+    workers: list[Subscription] | None = None,
+    replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS,
 ) -> Starlette:
     """The indexer app. Start-up loads the `snapshot` file (when given), then recovers from the
     first reachable of `peers`, before the server accepts connections (uvicorn opens the port
-    after the lifespan starts). While serving, the snapshot is rewritten every
-    `snapshot_interval_secs`, and once more at shutdown, after the requests in flight."""
+    after the lifespan starts), and subscribes to the engines of `workers` (`--workers`). While
+    serving, the snapshot is rewritten every `snapshot_interval_secs`, and once more at
+    shutdown, after the requests in flight and after every engine listener has closed."""
     indexer = indexer if indexer is not None else Indexer(max_blocks)
     peer_list = PeerList(peers)
-    routes = IndexerRoutes(indexer, peer_list)
+    listeners = Listeners(indexer, replay_timeout_secs=replay_timeout_secs)
+    routes = IndexerRoutes(indexer, peer_list, listeners)
     snapshots = Snapshots(indexer, snapshot, snapshot_interval_secs, ignore_bad=ignore_bad_snapshot) if snapshot else None
 
     @contextlib.asynccontextmanager
@@ -157,6 +193,8 @@ def create_app(
         if snapshots is not None:
             snapshots.restore()
         await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
+        for subscription in workers or ():
+            routes.subscribe(subscription)
         tasks = [asyncio.create_task(_log_evictions(indexer))]
         if snapshots is not None:
             tasks.append(asyncio.create_task(snapshots.run_periodically()))
@@ -166,6 +204,7 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await listeners.close()
             if snapshots is not None:
                 try:
                     await snapshots.save()
@@ -190,8 +229,9 @@ def create_app(
             http.openapi_route(OPENAPI_PATH),
         ],
         lifespan=lifespan,
-        collectors=[IndexerCollector(indexer)],
+        collectors=[IndexerCollector(indexer), ListenerCollector(listeners)],
     )
     app.state.indexer = indexer
     app.state.peers = peer_list
+    app.state.listeners = listeners
     return app

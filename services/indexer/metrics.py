@@ -14,6 +14,8 @@ from prometheus_client.registry import Collector
 
 from dynamo_lite.metrics import PREFIX
 
+from .engine_events import IGNORE_REASONS
+from .listeners import Listeners
 from .protocols import STORAGE_TIERS
 from .state import Indexer
 
@@ -49,8 +51,9 @@ class IndexerCollector(Collector):
         yield blocks
         events = CounterMetricFamily(
             NAMESPACE + "events",
-            "events of /events documents by outcome: applied, skipped (event_id already seen: a "
-            "re-delivery) or rejected (refused by the index, e.g. an unknown parent)",
+            "events of /events documents and engine batches by outcome: applied, skipped (in a "
+            "batch already seen: a re-delivery) or rejected (refused by the index, e.g. an "
+            "unknown parent)",
             labels=["outcome"],
         )
         events.add_metric(["applied"], indexer.events_applied_total)
@@ -59,7 +62,7 @@ class IndexerCollector(Collector):
         yield events
         yield CounterMetricFamily(
             NAMESPACE + "event_gaps",
-            "events whose event_id skipped ahead of the rank's last one + 1 (events were lost)",
+            "/events batches whose event_id skipped ahead of the rank's last one + 1 (events were lost)",
             indexer.event_gaps_total,
         )
         yield CounterMetricFamily(
@@ -69,4 +72,43 @@ class IndexerCollector(Collector):
         )
 
 
-__all__ = ["IndexerCollector"]
+class ListenerCollector(Collector):
+    """Totals of every ZMQ listener since start-up (listeners of unregistered ranks included),
+    and how many listeners are in each state now."""
+
+    def __init__(self, listeners: Listeners) -> None:
+        self.listeners = listeners
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self.listeners.totals
+        zmq = NAMESPACE + "zmq_"
+        states = GaugeMetricFamily(zmq + "listeners", "engine listeners by state", labels=["status"])
+        for status, count in self.listeners.status_counts().items():
+            states.add_metric([status], count)
+        yield states
+        for name, value, text in (
+            ("batches", totals.batches, "engine batches applied, live or replayed"),
+            ("events", totals.events, "events of those batches applied to the index"),
+            ("rejected_events", totals.rejected, "stores of those batches the index refused (e.g. unknown parent)"),
+            ("decode_failures", totals.decode_failures,
+             "engine messages dropped whole: undecodable payload, wrong frame count or seq length"),
+            ("gaps", totals.gaps, "jumps in an engine's batch sequence numbers"),
+            ("lost_batches", totals.lost_batches, "batches of those jumps that no replay delivered"),
+            ("replays", totals.replays, "replay requests sent to engines"),
+            ("replayed_batches", totals.replayed_batches, "batches applied from replays"),
+            ("replay_failures", totals.replay_failures, "replay requests not answered in time"),
+            ("restarts", totals.restarts, "engine restarts detected (sequence numbers back to 0)"),
+        ):
+            yield CounterMetricFamily(zmq + name, text, value)
+        ignored = CounterMetricFamily(
+            zmq + "ignored_events",
+            "engine events received but not indexed, by reason (unknown medium, another KV-cache "
+            "group, block size mismatch, no full block, Ignored tag)",
+            labels=["reason"],
+        )
+        for reason in IGNORE_REASONS:
+            ignored.add_metric([reason], totals.ignored.get(reason, 0))
+        yield ignored
+
+
+__all__ = ["IndexerCollector", "ListenerCollector"]

@@ -8,7 +8,9 @@ each of its dp ranks is a worker slot of that partition's tree.
 Events documents are validated whole (shape by `parse_events_document`, then block sizes and
 instance ownership here) before anything is applied, so a document is applied completely or
 not at all. Applying is per event: per (instance, dp_rank) an event-id watermark skips
-re-delivered events, reports gaps, and every event the index refuses is counted with a reason.
+re-delivered batches (the events of one engine batch share its id), reports gaps, and every
+event the index refuses is counted with a reason. Engine listeners (`listeners.py`) apply one
+ZMQ batch at a time through `apply_batch`, and `reset_rank` when an engine restarted.
 
 Errors are `dynamo_lite.errors` kinds only; mapping them to HTTP is the shell's job.
 """
@@ -25,9 +27,11 @@ from dynamo_lite.indexer.protocols import (
     LOWER_TIERS,
     PartitionEvents,
     Removed,
+    RouterEvent,
     Stored,
     events_document,
     parse_events_document,
+    partition_key,
 )
 from dynamo_lite.indexer.tree import PrefixTree, StoreStatus, WorkerKey
 
@@ -42,6 +46,7 @@ class Rank:
     source: Source
     endpoint: str | None = None
     last_event_id: int | None = None
+    replay_endpoint: str | None = None
 
 
 @dataclass(slots=True)
@@ -64,6 +69,8 @@ class RankInfo:
     blocks: int  # device-tier blocks held (including any held below a removed block)
     lower_tier_blocks: int  # host_pinned + disk + external
     last_event_id: int | None
+    replay_endpoint: str | None = None
+    listener: Any = None  # the shell fills in its ZMQ listener's state, if it has one
 
 
 @dataclass(slots=True)
@@ -95,7 +102,7 @@ class ApplyReport:
     """What an events document did. `applied + skipped + rejected` = events in the document."""
 
     applied: int = 0
-    skipped: int = 0  # event_id at or below the worker's watermark: a re-delivery
+    skipped: int = 0  # in a batch at or below the rank's watermark: a re-delivery
     rejected: int = 0
     unknown_removals: int = 0  # removed block hashes the worker did not hold
     gap_count: int = 0
@@ -129,8 +136,10 @@ class Indexer:
         block_size: int,
         dp_rank: int = 0,
         endpoint: str | None = None,
+        replay_endpoint: str | None = None,
     ) -> None:
-        """Add one (instance, dp_rank). A rank first seen in events becomes registered."""
+        """Add one (instance, dp_rank). A rank first seen in events becomes registered.
+        `endpoint` / `replay_endpoint` are recorded only: subscribing is the shell's job."""
         _check_partition_name(tenant_id)
         owner = self._owner.get(instance_id)
         if owner is not None and (owner.model_name, owner.tenant_id) != (model_name, tenant_id):
@@ -141,16 +150,20 @@ class Indexer:
         if rank is not None and rank.source == "register":
             raise Conflict(f"instance {instance_id} dp_rank {dp_rank} already registered")
         if rank is None:
-            partition.ranks[key] = Rank("register", endpoint)
+            partition.ranks[key] = Rank("register", endpoint, replay_endpoint=replay_endpoint)
             partition.tree.add_worker(key)
         else:
             rank.source = "register"
             rank.endpoint = endpoint
+            rank.replay_endpoint = replay_endpoint
         self.partitions[(model_name, tenant_id)] = partition
         self._owner[instance_id] = partition
 
-    def unregister(self, instance_id: int, model_name: str, tenant_id: str, dp_rank: int | None = None) -> None:
-        """Drop one rank (or all ranks, `dp_rank` None) with all their blocks, on every tier."""
+    def unregister(
+        self, instance_id: int, model_name: str, tenant_id: str, dp_rank: int | None = None
+    ) -> list[WorkerKey]:
+        """Drop one rank (or all ranks, `dp_rank` None) with all their blocks, on every tier;
+        returns the (instance, dp_rank)s dropped."""
         owner = self._owner.get(instance_id)
         if owner is None:
             raise NotFound(f"instance {instance_id} not found")
@@ -167,6 +180,7 @@ class Indexer:
         if not owner.ranks:
             del self.partitions[(model_name, tenant_id)]
             self._evicted_in_dropped += owner.tree.evicted_blocks
+        return doomed
 
     def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
         """Instances sorted by (model_name, tenant_id, instance_id), ranks by dp_rank."""
@@ -184,6 +198,7 @@ class Indexer:
                         tree.block_count(key),
                         sum(tree.block_count(key, tier) for tier in LOWER_TIERS),
                         rank.last_event_id,
+                        rank.replay_endpoint,
                     )
                 )
             result.extend(
@@ -206,8 +221,11 @@ class Indexer:
         """Apply a parsed events document, all of it or (on an error) none of it.
 
         Unknown (instance, dp_rank)s are registered implicitly with source "events".
-        Per rank, an event_id at or below the last one applied is skipped as a re-delivery; a
-        jump past last+1 (or a first event_id other than 0) is applied and reported as a gap.
+        Event ids are batch ids: Dynamo gives every event of one engine batch the batch's
+        sequence number. Per rank, consecutive events with the same id in this document are one
+        batch and are applied together; a batch whose id is at or below the last one applied
+        is a re-delivery and skipped whole; a jump past last+1 (or a first id other than 0) is
+        applied and reported as a gap. A batch is one document's: post each batch whole.
         """
         self._validate(document)
         report = self._apply(document, watermarks=True)
@@ -254,50 +272,94 @@ class Indexer:
 
     def _apply(self, document: Sequence[PartitionEvents], *, watermarks: bool) -> ApplyReport:
         report = ApplyReport()
+        # Per rank, the event id of the batch this document is applying: the events of one
+        # engine batch share its sequence number as their id, and are applied together.
+        open_batches: dict[WorkerKey, int] = {}
         for section in document:
             if not section.events and watermarks:
                 continue  # live ingest: an empty section changes nothing
             partition = self._partition_for(section.model_name, section.tenant_id, section.block_size)
             self.partitions[(section.model_name, section.tenant_id)] = partition
-            tree = partition.tree
-            ranks = partition.ranks
             for index, event in enumerate(section.events):
                 key = (event.worker_id, event.dp_rank)
-                rank = ranks.get(key)
-                if rank is None:
-                    rank = ranks[key] = Rank("events")
-                    tree.add_worker(key)
-                    self._owner[event.worker_id] = partition
+                rank = self._rank(partition, key)
                 if watermarks:
-                    last = rank.last_event_id
                     event_id = event.event_id
-                    if last is not None and event_id <= last:
-                        report.skipped += 1
-                        continue
-                    expected = 0 if last is None else last + 1
-                    if event_id != expected:
-                        report.gap_count += 1
-                        if len(report.gaps) < MAX_LISTED:
-                            report.gaps.append(Gap(key[0], key[1], expected, event_id))
-                    rank.last_event_id = event_id
-                data = event.data
-                if type(data) is Stored:
-                    status = tree.store(
-                        key, data.parent_hash, data.block_hashes, data.tokens_hashes, event.storage_tier
-                    )
-                    if status is not StoreStatus.STORED:
-                        report.rejected += 1
-                        if len(report.rejections) < MAX_LISTED:
-                            report.rejections.append(
-                                Rejection(section.key, index, _reason(status, event.worker_id, key[1], data))
-                            )
-                        continue
-                elif type(data) is Removed:
-                    report.unknown_removals += tree.remove(key, data.block_hashes, event.storage_tier)
-                else:
-                    tree.clear(key)
-                report.applied += 1
+                    if open_batches.get(key) != event_id:
+                        last = rank.last_event_id
+                        if last is not None and event_id <= last:
+                            report.skipped += 1
+                            open_batches.pop(key, None)
+                            continue
+                        expected = 0 if last is None else last + 1
+                        if event_id != expected:
+                            report.gap_count += 1
+                            if len(report.gaps) < MAX_LISTED:
+                                report.gaps.append(Gap(key[0], key[1], expected, event_id))
+                        rank.last_event_id = event_id
+                        open_batches[key] = event_id
+                self._apply_one(partition, key, event, report, section.key, index)
         return report
+
+    def apply_batch(self, model_name: str, tenant_id: str, events: Sequence[RouterEvent]) -> ApplyReport:
+        """Apply one engine batch, received by a listener of this partition, whole.
+
+        The listener has already decided that the batch is new (sequence numbers, replay and
+        restarts are transport matters); the event id of its events becomes each rank's
+        watermark. A rank first seen here (a batch naming another data-parallel rank than
+        its listener's) is created with source "events".
+        """
+        partition = self._existing(model_name, tenant_id)
+        report = ApplyReport()
+        key_prefix = partition_key(model_name, tenant_id)
+        for index, event in enumerate(events):
+            key = (event.worker_id, event.dp_rank)
+            rank = self._rank(partition, key)
+            rank.last_event_id = event.event_id
+            self._apply_one(partition, key, event, report, key_prefix, index)
+        self.events_applied_total += report.applied
+        self.events_rejected_total += report.rejected
+        return report
+
+    def reset_rank(self, model_name: str, tenant_id: str, worker_id: int, dp_rank: int) -> int:
+        """Forget everything one rank holds, and its watermark: its engine restarted, so its
+        old blocks are gone and its sequence numbers start again. Returns the device blocks
+        dropped."""
+        partition = self._existing(model_name, tenant_id)
+        key = (worker_id, dp_rank)
+        rank = partition.ranks.get(key)
+        if rank is None:
+            return 0
+        dropped = partition.tree.block_count(key)
+        partition.tree.clear(key)
+        rank.last_event_id = None
+        return dropped
+
+    def _rank(self, partition: Partition, key: WorkerKey) -> Rank:
+        rank = partition.ranks.get(key)
+        if rank is None:
+            rank = partition.ranks[key] = Rank("events")
+            partition.tree.add_worker(key)
+            self._owner[key[0]] = partition
+        return rank
+
+    def _apply_one(
+        self, partition: Partition, key: WorkerKey, event: RouterEvent, report: ApplyReport, where: str, index: int
+    ) -> None:
+        tree = partition.tree
+        data = event.data
+        if type(data) is Stored:
+            status = tree.store(key, data.parent_hash, data.block_hashes, data.tokens_hashes, event.storage_tier)
+            if status is not StoreStatus.STORED:
+                report.rejected += 1
+                if len(report.rejections) < MAX_LISTED:
+                    report.rejections.append(Rejection(where, index, _reason(status, key[0], key[1], data)))
+                return
+        elif type(data) is Removed:
+            report.unknown_removals += tree.remove(key, data.block_hashes, event.storage_tier)
+        else:
+            tree.clear(key)
+        report.applied += 1
 
     # --- queries ------------------------------------------------------------------------------
 

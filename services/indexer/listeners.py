@@ -1,0 +1,447 @@
+"""Subscribing to engines: one ZMQ listener per registered (instance, dp_rank) with an endpoint.
+
+A listener connects a SUB socket (empty subscription: every topic) to the engine's PUB socket
+and applies each batch to the `Indexer` on the event loop, between HTTP requests, so the index
+is never touched from two threads. Reading is asynchronous (zmq.asyncio): a dead, slow or
+unreachable engine only leaves its own listener waiting; a busy one hands the loop back after
+every few batches, so queries keep their latency while engines publish.
+
+Sequence numbers (one per batch, counting from 0 per publisher socket) decide what a batch is:
+
+* the next one (last + 1) is applied;
+* a jump is a gap. With a `replay_endpoint` the listener asks the engine's ROUTER socket for
+  the missing batches (a DEALER sends `[b"", start_seq as 8 bytes BE]`; the engine answers
+  `[b"", seq, payload]` (older vLLM) or `[b"", topic, seq, payload]` (vLLM 0.33, SGLang) per
+  buffered batch, then an end marker of seq -1 with an empty payload), applies them in order,
+  then the live batch. Whatever the engine no longer has, or everything without a replay
+  endpoint, is counted as lost;
+* a number at or below the last one applied cannot be a repeat (PUB/SUB does not deliver a
+  message twice): the engine restarted and counts from 0 again. Its old blocks are gone with
+  it, so every rank this listener feeds is reset (blocks and watermark) and rebuilt from what
+  the new engine sends, replaying its first batches when they were missed. (Dynamo 1.6.1
+  drops every batch of a restarted engine until its count passes the old one, and keeps the
+  stale blocks.)
+* the first batch a listener receives may have any number: an engine that ran before the
+  indexer subscribed. With a replay endpoint, what the engine still buffers from seq 0 on is
+  replayed first; either way it is not a gap in what this listener followed.
+
+A batch that does not decode is dropped whole and counted; it still advances the count (a
+replay would only deliver it again). Counters per listener show in `/workers`, their totals in
+`/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from dynamo_lite.errors import InvalidArgument, NotFound
+
+from .engine_events import MalformedBatch, decode_batch
+from .state import Indexer
+from .tree import WorkerKey
+
+logger = logging.getLogger("dynamo_lite.indexer.listeners")
+
+Status = Literal["connecting", "active", "error", "closed"]
+STATUSES: Final[tuple[Status, ...]] = ("connecting", "active", "error", "closed")
+
+END_OF_REPLAY: Final = b"\xff" * 8  # seq -1 as 8 bytes, signed big-endian
+DEFAULT_REPLAY_TIMEOUT_SECS: Final = 5.0
+BATCHES_PER_TURN: Final = 32  # batches applied before the loop gets a turn for HTTP requests
+# A SUB socket's queue while the loop is busy elsewhere (a replay, a burst of queries): as deep
+# as vLLM's and SGLang's own publisher high-water mark, so a burst is queued, not dropped.
+RECEIVE_HIGH_WATER_MARK: Final = 100_000
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+
+_TCP: Final = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]\s]+):(\d{1,5})$")
+
+
+def validate_endpoint(endpoint: str, what: str = "ZMQ endpoint") -> str:
+    """`endpoint` when a SUB or DEALER socket can connect to it (tcp://host:port, ipc://path,
+    inproc://name); InvalidArgument (400) naming the problem otherwise."""
+    scheme, separator, address = endpoint.partition("://")
+    if not separator:
+        raise InvalidArgument(f"invalid {what} `{endpoint}`: missing scheme")
+    if scheme == "tcp":
+        match = _TCP.match(endpoint)
+        if match is None or not 0 < int(match.group(2)) <= 65535 or match.group(1) == "*":
+            raise InvalidArgument(f"invalid {what} `{endpoint}`: expected tcp://host:port with a port in 1..65535")
+    elif scheme in ("ipc", "inproc"):
+        if not address:
+            raise InvalidArgument(f"invalid {what} `{endpoint}`: empty {scheme} address")
+    else:
+        raise InvalidArgument(f"invalid {what} `{endpoint}`: scheme must be tcp, ipc or inproc")
+    return endpoint
+
+
+@dataclass(slots=True)
+class ListenerCounts:
+    """What listeners saw; one per listener, and one for the totals since start-up."""
+
+    batches: int = 0  # applied, live or replayed
+    events: int = 0  # indexed events of those batches
+    ignored: Counter[str] = field(default_factory=Counter)  # received, not indexed, by reason
+    rejected: int = 0  # stores the index refused (unknown parent, ...)
+    decode_failures: int = 0  # batches dropped whole: undecodable payload or wrong frames
+    gaps: int = 0  # jumps in the sequence
+    lost_batches: int = 0  # batches of those jumps that no replay delivered
+    replays: int = 0  # replay requests sent
+    replayed_batches: int = 0
+    replay_failures: int = 0  # requests the engine did not finish answering in time
+    restarts: int = 0  # engine restarts detected
+
+    def add(self, other: ListenerCounts) -> None:
+        for name in ("batches", "events", "rejected", "decode_failures", "gaps", "lost_batches",
+                     "replays", "replayed_batches", "replay_failures", "restarts"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.ignored.update(other.ignored)
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """Where one rank's engine publishes, and the partition its events belong to."""
+
+    model_name: str
+    tenant_id: str
+    block_size: int
+    worker_id: int
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+
+    @property
+    def key(self) -> WorkerKey:
+        return (self.worker_id, self.dp_rank)
+
+
+class EngineListener:
+    """One engine publisher socket, applied to the index by one asyncio task."""
+
+    def __init__(
+        self,
+        indexer: Indexer,
+        subscription: Subscription,
+        context: zmq.asyncio.Context,
+        totals: ListenerCounts,
+        *,
+        replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS,
+    ) -> None:
+        self.indexer = indexer
+        self.subscription = subscription
+        self.context = context
+        self.totals = totals
+        self.replay_timeout_secs = replay_timeout_secs
+        self.status: Status = "connecting"
+        self.error: str | None = None
+        self.counts = ListenerCounts()
+        self.last_seq: int | None = None
+        self.first_seq: int | None = None  # the first sequence number received
+        self.last_batch_at: float | None = None  # time.time() of the last applied batch
+        self._fed: set[WorkerKey] = {subscription.key}  # ranks this listener's batches named
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"zmq-listener-{self.subscription.worker_id}-{self.subscription.dp_rank}"
+        )
+
+    def cancel(self) -> None:
+        """Stop now: no batch is applied after this returns (the task only runs again to close
+        its sockets)."""
+        if self._task is not None:
+            self._task.cancel()
+        self.status = "closed"
+
+    async def close(self) -> None:
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.status = "closed"
+
+    def info(self) -> dict[str, Any]:
+        counts = self.counts
+        return {
+            "status": self.status,
+            "error": self.error,
+            "endpoint": self.subscription.endpoint,
+            "replay_endpoint": self.subscription.replay_endpoint,
+            "first_seq": self.first_seq,
+            "last_seq": self.last_seq,
+            "last_batch_at": self.last_batch_at,
+            "batches": counts.batches,
+            "events": counts.events,
+            "ignored_events": dict(counts.ignored),
+            "rejected_events": counts.rejected,
+            "decode_failures": counts.decode_failures,
+            "gaps": counts.gaps,
+            "lost_batches": counts.lost_batches,
+            "replays": counts.replays,
+            "replayed_batches": counts.replayed_batches,
+            "replay_failures": counts.replay_failures,
+            "restarts": counts.restarts,
+        }
+
+    # --- the receive loop -------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        sub = self.context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sub.get_monitor_socket(_MONITORED)
+        # The asyncio sockets wait; reads go through plain shadows of them, which return frames
+        # (or raise Again) instead of a Future per message.
+        sub_reader = zmq.Socket.shadow(sub.underlying)
+        monitor_reader = zmq.Socket.shadow(monitor.underlying)
+        try:
+            sub.connect(self.subscription.endpoint)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    self._read_monitor(monitor_reader)
+                if sub in ready:
+                    for _ in range(BATCHES_PER_TURN):
+                        try:
+                            frames = sub_reader.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        await self._receive(frames)
+                    await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except NotFound:
+            # The partition went away under us (its last worker was unregistered).
+            self.status = "closed"
+        except Exception as exc:  # noqa: BLE001 - a listener must say why it stopped, never vanish
+            self.status = "error"
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.exception(
+                "listener of worker %d dp_rank %d (%s) stopped",
+                self.subscription.worker_id, self.subscription.dp_rank, self.subscription.endpoint,
+            )
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(0)
+            sub.close(0)
+            if self._dealer is not None:
+                self._dealer.close(0)
+                self._dealer = None
+
+    def _read_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.status = "active"
+                self.error = None
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED) and self.status != "error":
+                self.status = "connecting"
+
+    async def _receive(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._count_failure(f"unexpected message: {len(frames)} frames"
+                                + (f", a {len(frames[1])}-byte seq frame" if len(frames) == 3 else ""))
+            return
+        self.status = "active"
+        seq = int.from_bytes(frames[1], "big")
+        if self.first_seq is None:
+            await self._join(seq)
+        else:
+            if self.last_seq is not None and seq <= self.last_seq:
+                self._restart(seq)
+            expected = 0 if self.last_seq is None else self.last_seq + 1
+            if seq > expected:
+                await self._gap(expected, seq)
+        self._apply(seq, frames[2])
+
+    async def _join(self, seq: int) -> None:
+        """The first batch this listener receives: the engine may have published long before."""
+        sub = self.subscription
+        self.first_seq = seq
+        if not seq:
+            return
+        logger.info(
+            "worker %d dp_rank %d: subscribed at seq %d; %s", sub.worker_id, sub.dp_rank, seq,
+            "replaying what the engine still buffers" if sub.replay_endpoint
+            else "blocks it stored before are unknown until it stores them again",
+        )
+        if sub.replay_endpoint:
+            await self._replay(0, seq)
+
+    def _restart(self, seq: int) -> None:
+        sub = self.subscription
+        dropped = sum(self.indexer.reset_rank(sub.model_name, sub.tenant_id, *key) for key in self._fed)
+        logger.warning(
+            "worker %d dp_rank %d restarted: seq %d after %s; dropped its %d device blocks, rebuilding from "
+            "what it sends now", sub.worker_id, sub.dp_rank, seq, self.last_seq, dropped,
+        )
+        self.last_seq = None
+        self._count("restarts")
+
+    async def _gap(self, expected: int, seq: int) -> None:
+        sub = self.subscription
+        self._count("gaps")
+        if sub.replay_endpoint:
+            await self._replay(expected, seq)
+        resumed = 0 if self.last_seq is None else self.last_seq + 1
+        lost = seq - resumed
+        if lost > 0:
+            self._count("lost_batches", lost)
+            logger.warning(
+                "worker %d dp_rank %d: expected seq %d, got %d: %d batches lost%s", sub.worker_id, sub.dp_rank,
+                expected, seq, lost, "" if sub.replay_endpoint else " (no replay_endpoint registered)",
+            )
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        sub = self.subscription
+        self.last_seq = seq
+        try:
+            batch = decode_batch(payload, worker_id=sub.worker_id, dp_rank=sub.dp_rank, seq=seq,
+                                 block_size=sub.block_size)
+        except MalformedBatch as error:
+            self._count_failure(f"seq {seq}: {error}")
+            return
+        if batch.dp_rank != sub.dp_rank:
+            self._fed.add((sub.worker_id, batch.dp_rank))
+        report = self.indexer.apply_batch(sub.model_name, sub.tenant_id, batch.events)
+        self.last_batch_at = time.time()
+        self._count("batches")
+        self._count("events", report.applied)
+        self._count("rejected", report.rejected)
+        if batch.ignored:
+            self.counts.ignored.update(batch.ignored)
+            self.totals.ignored.update(batch.ignored)
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        setattr(self.counts, name, getattr(self.counts, name) + amount)
+        setattr(self.totals, name, getattr(self.totals, name) + amount)
+
+    def _count_failure(self, detail: str) -> None:
+        self._count("decode_failures")
+        count = self.counts.decode_failures
+        if count <= 3 or count % 1000 == 0:  # a broken engine must not flood the log
+            logger.warning("worker %d dp_rank %d: dropped a batch (%d so far): %s", self.subscription.worker_id,
+                           self.subscription.dp_rank, count, detail)
+
+    # --- replay -----------------------------------------------------------------------------
+
+    async def _replay(self, start: int, end: int) -> None:
+        """Apply the engine's buffered batches numbered start..end-1 that are still new."""
+        sub = self.subscription
+        assert sub.replay_endpoint is not None
+        if self._dealer is None:
+            self._dealer = self.context.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.connect(sub.replay_endpoint)
+        dealer = self._dealer
+        self._count("replays")
+        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        deadline = time.monotonic() + self.replay_timeout_secs
+        applied = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await dealer.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                # A late answer must not be read as the answer to the next request.
+                self._dealer.close(0)
+                self._dealer = None
+                self._count("replay_failures")
+                logger.warning("worker %d dp_rank %d: replay from seq %d not finished within %.1f s at %s",
+                               sub.worker_id, sub.dp_rank, start, self.replay_timeout_secs, sub.replay_endpoint)
+                return
+            frames = zmq.Socket.shadow(dealer.underlying).recv_multipart(zmq.NOBLOCK)
+            if frames and not frames[0]:
+                frames = frames[1:]  # the envelope delimiter
+            if len(frames) == 3:
+                frames = frames[1:]  # [topic, seq, payload]: vLLM 0.33 and SGLang name the topic
+            if len(frames) != 2 or len(frames[0]) != 8:
+                self._count_failure(f"unexpected replay message: {len(frames)} frames")
+                continue
+            seq_frame, payload = frames
+            if seq_frame == END_OF_REPLAY or not payload:
+                break
+            seq = int.from_bytes(seq_frame, "big")
+            if seq < start or seq >= end or (self.last_seq is not None and seq <= self.last_seq):
+                continue  # older than asked, or the live stream delivers it
+            self._apply(seq, payload)
+            self._count("replayed_batches")
+            applied += 1
+            if applied % BATCHES_PER_TURN == 0:
+                await asyncio.sleep(0)
+        logger.info("worker %d dp_rank %d: replayed %d batches from seq %d", sub.worker_id, sub.dp_rank, applied, start)
+
+
+class Listeners:
+    """Every listener of the process, keyed by (instance_id, dp_rank)."""
+
+    def __init__(self, indexer: Indexer, *, replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS) -> None:
+        self.indexer = indexer
+        self.replay_timeout_secs = replay_timeout_secs
+        self.totals = ListenerCounts()
+        self._listeners: dict[WorkerKey, EngineListener] = {}
+        self._context: zmq.asyncio.Context | None = None
+
+    def start(self, subscription: Subscription) -> EngineListener:
+        """Subscribe to one engine; needs a running event loop. Replaces nothing: the caller
+        has registered the rank, which fails for a rank registered already."""
+        if self._context is None:
+            self._context = zmq.asyncio.Context()
+        listener = EngineListener(
+            self.indexer, subscription, self._context, self.totals, replay_timeout_secs=self.replay_timeout_secs
+        )
+        self._listeners[subscription.key] = listener
+        listener.start()
+        return listener
+
+    def stop(self, keys: Iterable[WorkerKey]) -> None:
+        """Stop listening for these ranks now; their sockets close on the loop's next turn."""
+        for key in keys:
+            listener = self._listeners.pop(key, None)
+            if listener is not None:
+                listener.cancel()
+
+    def get(self, key: WorkerKey) -> EngineListener | None:
+        return self._listeners.get(key)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self._listeners.values()))
+
+    def __len__(self) -> int:
+        return len(self._listeners)
+
+    def status_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(STATUSES, 0)
+        for listener in self._listeners.values():
+            counts[listener.status] += 1
+        return counts
+
+    async def close(self) -> None:
+        listeners = list(self._listeners.values())
+        self._listeners.clear()
+        await asyncio.gather(*(listener.close() for listener in listeners), return_exceptions=True)
+        if self._context is not None:
+            self._context.term()
+            self._context = None
