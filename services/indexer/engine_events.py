@@ -79,9 +79,10 @@ IGNORE_REASONS: Final = (UNKNOWN_MEDIUM, OTHER_GROUP, BLOCK_SIZE_MISMATCH, NO_FU
 _HEX_DIGITS: Final = frozenset("0123456789abcdefABCDEF")
 
 Hash = Union[int, bytes]
-# Token ranges are checked in `_tokens`, not with msgspec.Meta constraints: msgspec 0.22 crashes
-# the process building a decoder for a Struct field of constrained ints in a list.
-Tokens = list[Union[int, tuple[int, int]]]
+# token_ids decode untyped: msgspec builds the list of ints in C either way, a typed
+# `list[int | tuple[int, int]]` (ids, or Eagle's pairs) costs a second pass here to tell the forms
+# apart, and `Meta` range constraints crash msgspec 0.22 in a Struct field. `_tokens` checks them.
+Tokens = Any
 U32_MAX: Final = 0xFFFF_FFFF
 
 
@@ -246,12 +247,12 @@ def _convert(event: Any, block_size: int) -> tuple[EventData | None, StorageTier
         return None, "device", IGNORED_TAG
     stored = type(event) in (_PositionalStored, _MapStored)
     if stored:
-        tokens, window = _tokens(event.token_ids)  # a bad token fails the batch, whatever the event
+        tokens, window = _tokens(event.token_ids)
     tier = _tier(event.medium)
-    if tier is None:
-        return None, "device", UNKNOWN_MEDIUM
-    if not _main_group(event):
-        return None, tier, OTHER_GROUP
+    if tier is None or not _main_group(event):
+        if stored:
+            _check_tokens(tokens)  # a bad token fails the batch even when the event is not indexed
+        return None, tier or "device", UNKNOWN_MEDIUM if tier is None else OTHER_GROUP
     if not stored:
         return Removed(_hashes(event.block_hashes)), tier, None
     return _stored(event, tokens, window, block_size, tier)
@@ -282,11 +283,13 @@ def _main_group(event: Any) -> bool:
     return group is None or group == 0
 
 
-def _hashes(values: Sequence[Hash]) -> list[int]:
-    if all(type(value) is int for value in values):
-        if values and (min(values) < 0 or max(values) > U64_MASK):  # type: ignore[type-var]
-            return [_hash(value) for value in values]
-        return list(values)  # type: ignore[arg-type]
+def _hashes(values: list[Hash]) -> list[int]:
+    try:  # ints only, in the u64 range: two C passes (an int compared with bytes raises)
+        low = min(values) if values else 0
+        if type(low) is int and low >= 0 and max(values, default=0) <= U64_MASK:
+            return values  # type: ignore[return-value]
+    except TypeError:
+        pass
     return [_hash(value) for value in values]
 
 
@@ -298,47 +301,55 @@ def _hash(value: Hash) -> int:
     return value & U64_MASK  # type: ignore[operator]
 
 
-def _tokens(raw: list[Any]) -> tuple[list[int], int]:
+def _tokens(raw: Any) -> tuple[list[int], int]:
     """The token ids of an event and how many extra tokens each block's hash covers: Eagle's
-    bigram form `[(t0, t1), (t1, t2), ...]` is the tokens t0..tn, each block hashed with the
-    first token of the next one. Every token must be a u32, as in Dynamo (`Vec<u32>`), even in
-    an event that is then ignored: the batch fails otherwise."""
-    window = 0
-    tokens = raw
-    if raw and type(raw[0]) is not int:
-        if any(type(pair) is not tuple for pair in raw):
+    bigram form `[[t0, t1], [t1, t2], ...]` is the tokens t0..tn, each block hashed with the
+    first token of the next one. Whether the ids are u32s is checked where they are packed for
+    hashing (`dynamo_lite.hashing`), or by `_check_tokens` for an event that is not hashed."""
+    if type(raw) is not list:
+        raise ValueError("token_ids is not an array")
+    if raw and type(raw[0]) is list:
+        if any(type(pair) is not list or len(pair) != 2 for pair in raw):
             raise ValueError("token_ids mixes token ids and [token, token] pairs")
-        tokens = [pair[0] for pair in raw] + [raw[-1][1]]
-        if any(pair[1] < 0 or pair[1] > U32_MAX for pair in raw):
-            raise ValueError("token_ids: a token is outside the u32 range")
-        window = 1
-    elif any(type(token) is not int for token in raw):
-        raise ValueError("token_ids mixes token ids and [token, token] pairs")
+        tokens = [pair[0] for pair in raw]
+        tokens.append(raw[-1][1])
+        _check_tokens([pair[1] for pair in raw])
+        return tokens, 1
+    return raw, 0
+
+
+def _check_tokens(tokens: list[Any]) -> None:
+    """Every token a u32, as Dynamo's `Vec<u32>` requires: otherwise the batch fails."""
+    if tokens and set(map(type, tokens)) != {int}:
+        raise ValueError("token_ids: a token is not an integer")
     if tokens and (min(tokens) < 0 or max(tokens) > U32_MAX):
         raise ValueError("token_ids: a token is outside the u32 range")
-    return tokens, window
 
 
 def _stored(
     event: _Stored, tokens: list[int], window: int, block_size: int, tier: StorageTier
 ) -> tuple[EventData | None, StorageTier, str | None]:
     if event.block_size != block_size:
+        _check_tokens(tokens)
         return None, tier, BLOCK_SIZE_MISMATCH
     full_blocks = (len(tokens) - window) // block_size if block_size else 0
     count = min(len(event.block_hashes), full_blocks)
     if count <= 0:
+        _check_tokens(tokens)
         return None, tier, NO_FULL_BLOCK
     block_hashes = _hashes(event.block_hashes[:count])
     parent = None if event.parent_block_hash is None else _hash(event.parent_block_hash)
     cache_salt = event.cache_salt if type(event) is _MapStored else None
     media = _media(event)
-    covered = tokens[: count * block_size + window]
+    # Hashing packs every token (a bad one fails the batch); blocks past `count` are cut after.
     if media is None and not window:
-        locals_ = local_block_hashes(covered, block_size, lora_name=event.lora_name, cache_salt=cache_salt)
+        locals_ = local_block_hashes(tokens, block_size, lora_name=event.lora_name, cache_salt=cache_salt)
     else:
         locals_ = local_block_hashes_with_media(
-            covered, block_size, media or [], lora_name=event.lora_name, cache_salt=cache_salt, window=window
+            tokens, block_size, media or [], lora_name=event.lora_name, cache_salt=cache_salt, window=window
         )
+    if len(locals_) > count:
+        del locals_[count:]
     return Stored(parent, block_hashes, locals_), tier, None
 
 

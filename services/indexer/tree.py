@@ -248,9 +248,18 @@ class PrefixTree:
         dormant = self.dormant
         overrides = slot.overrides
         node = start
-        for ext, local in zip(block_hashes, tokens_hashes):
+        pairs = zip(block_hashes, tokens_hashes)
+        for ext, local in pairs:
             child = node.child
             if child is None:
+                if active:
+                    # Past the end of the tree: the rest of the chain is new nodes held by this
+                    # slot alone (the common case of a prefill or a decode step), no checks needed.
+                    child = node.child = blocks[ext] = Node(local, ext, node, bit)
+                    for ext, local in pairs:
+                        child.child = child = blocks[ext] = Node(local, ext, child, bit)
+                    node = child
+                    break
                 child = node.child = Node(local, ext, node, 0)
             elif child.__class__ is Node:
                 if child.local != local:
