@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import indexer_http, report, slot_tracker_http
+from . import indexer_http, report, slot_tracker_http, zmq_ingest
 from .runner import Results, Settings, machine_facts, progress
 from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu, reference_python
 from .wrk import ensure_wrk
@@ -36,10 +36,12 @@ SCENARIOS = {
     "scale_query_by_hash": "/query_by_hash at ~10k and ~1M indexed pairs (c=64)",
     "memory": "indexer RSS per indexed (block, worker) pair at ~1M pairs",
     "events": "indexer /events ingest in blocks/s, 64-block stored events",
+    "zmq_ingest": "indexers subscribed to 16 vLLM engines over ZMQ: ingest in blocks/s, 64-block batches",
+    "query_while_ingesting": "/query_by_hash p50 at c=1, idle and while 16 engines publish 200k blocks/s",
 }
 GROUPS = {
     "slot_tracker": ("health", "loads", "potential_loads", "lifecycle"),
-    "indexer": ("query_by_hash", "memory", "events"),
+    "indexer": ("query_by_hash", "memory", "events", "zmq_ingest", "query_while_ingesting"),
     "scaling": ("scale_potential_loads", "scale_query_by_hash", "memory"),
 }
 
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slot_tracker_http.run(results, args.selected, ref_python)
         indexer_http.run(results, args.selected, ref_python)
+        zmq_ingest.run(results, args.selected, ref_python)
     finally:
         results.meta["wall_s"] = time.monotonic() - started
         results.save(output_dir / "results.json")

@@ -65,9 +65,14 @@ class BlockStored:
     cache_salt: str | None = None
     signed_on_wire: bool = False
 
-    def wire(self) -> Any:
+    def wire(self, map_form: bool = False) -> Any:
         hashes = [_wire_hash(h, self.signed_on_wire) for h in self.block_hashes]
         parent = None if self.parent_block_hash is None else _wire_hash(self.parent_block_hash, self.signed_on_wire)
+        if map_form and self.cache_salt is None:
+            # vLLM 0.33: every declared field but the optional tail, in declaration order.
+            return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                    "token_ids": list(self.token_ids), "block_size": self.block_size, "lora_id": None,
+                    "medium": self.medium, "lora_name": self.lora_name}
         if self.cache_salt is not None:
             event: dict[str, Any] = {
                 "type": "BlockStored",
@@ -108,8 +113,11 @@ class BlockRemoved:
     medium: str | None = None
     signed_on_wire: bool = False
 
-    def wire(self) -> Any:
-        return ["BlockRemoved", [_wire_hash(h, self.signed_on_wire) for h in self.block_hashes], self.medium]
+    def wire(self, map_form: bool = False) -> Any:
+        hashes = [_wire_hash(h, self.signed_on_wire) for h in self.block_hashes]
+        if map_form:
+            return {"type": "BlockRemoved", "block_hashes": hashes, "medium": self.medium}
+        return ["BlockRemoved", hashes, self.medium]
 
     def data(self) -> dict[str, Any]:
         return {"removed": {"block_hashes": [h & U64_MASK for h in self.block_hashes]}}
@@ -119,8 +127,8 @@ class BlockRemoved:
 class AllBlocksCleared:
     medium: None = None
 
-    def wire(self) -> Any:
-        return ["AllBlocksCleared"]
+    def wire(self, map_form: bool = False) -> Any:
+        return {"type": "AllBlocksCleared"} if map_form else ["AllBlocksCleared"]
 
     def data(self) -> Any:
         return "cleared"
@@ -168,6 +176,7 @@ class FakeEngine:
         tenant_id: str = "default",
         topic: bytes = b"kv-events",
         batch_dp_rank: bool = True,
+        map_events: bool = False,
         context: zmq.Context | None = None,
     ) -> None:
         self.worker_id = worker_id
@@ -177,6 +186,7 @@ class FakeEngine:
         self.tenant_id = tenant_id
         self.topic = topic
         self.batch_dp_rank = batch_dp_rank  # vLLM fills data_parallel_rank; False sends nil
+        self.map_events = map_events  # vLLM 0.33's events (tagged maps) instead of positional ones
         self._own_context = context is None
         self._context = zmq.Context() if context is None else context
         self._socket = self._context.socket(zmq.XPUB)
@@ -237,7 +247,7 @@ class FakeEngine:
         """Send one KVEventBatch with `events`; returns (and records) the matching RouterEvents."""
         batch = [
             time.time() if timestamp is None else timestamp,
-            [event.wire() for event in events],
+            [event.wire(self.map_events) for event in events],
             self.dp_rank if self.batch_dp_rank else None,
         ]
         payload = msgpack.packb(batch, use_bin_type=True)

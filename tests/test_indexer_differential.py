@@ -266,21 +266,21 @@ def compare_with_model(service: Service, queries: list[Query], workload: Workloa
 
 
 def make_engines(seed: int, context: zmq.Context, *, colon_in_model: bool = True) -> list[FakeEngine]:
-    """Partition A (block size 16): workers 1, 2, 3 (nil batch dp rank), 4 with dp ranks 0
-    and 1, each rank on its own socket. Partition B (block size 4, routing group "tenant-b",
-    a model name with a colon unless `colon_in_model` is False): worker 10 and a worker id near
-    the top of the u64 range."""
+    """Partition A (block size 16): workers 1, 2 (vLLM 0.33's map events), 3 (nil batch dp
+    rank), 4 with dp ranks 0 and 1, each rank on its own socket. Partition B (block size 4, routing group "tenant-b",
+    a model name with a colon unless `colon_in_model` is False): worker 10 (map events) and a
+    worker id near the top of the u64 range."""
     base = seed * 1000
     a = dict(model_name=f"llama-{seed}", block_size=16, context=context)
     b = dict(model_name=f"qwen/{seed}{':8b' if colon_in_model else '-8b'}", tenant_id="tenant-b", block_size=4,
              context=context)
     return [
         FakeEngine(base + 1, **a),
-        FakeEngine(base + 2, **a),
+        FakeEngine(base + 2, map_events=True, **a),  # vLLM 0.33's layout
         FakeEngine(base + 3, batch_dp_rank=False, **a),
         FakeEngine(base + 4, 0, **a),
         FakeEngine(base + 4, 1, **a),
-        FakeEngine(base + 10, **b),
+        FakeEngine(base + 10, map_events=True, **b),
         FakeEngine(2**64 - 1 - seed, **b),
     ]
 

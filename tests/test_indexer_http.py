@@ -257,3 +257,15 @@ def test_dump_then_events_on_a_fresh_instance_answers_the_same() -> None:
             for length in range(len(chain) + 1):
                 assert query(copy, chain[:length]) == query(source, chain[:length])
         assert copy.get("/dump").json() == dump
+
+
+def test_full_garbage_collections_run_on_a_timer() -> None:
+    """The indexer collects only young objects on its own (a full scan of a large index pauses
+    every request); the app runs the full collections."""
+    import gc
+    import time
+
+    before = gc.get_stats()[2]["collections"]
+    with TestClient(create_app(full_gc_interval_secs=0.05)):
+        time.sleep(0.4)
+    assert gc.get_stats()[2]["collections"] >= before + 2

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -165,6 +167,17 @@ async def _log_evictions(indexer: Indexer, interval_secs: float = 60.0) -> None:
             logged = total
 
 
+async def _collect_garbage(interval_secs: float) -> None:
+    """A full garbage collection every `interval_secs`: the process collects only young objects
+    on its own (see `dynamo_lite.cli.tune_garbage_collector`)."""
+    while True:
+        await asyncio.sleep(interval_secs)
+        started = time.perf_counter()
+        found = gc.collect()
+        logger.info("full garbage collection: %d unreachable objects, %.0f ms", found,
+                    (time.perf_counter() - started) * 1000)
+
+
 def create_app(
     indexer: Indexer | None = None,
     *,
@@ -176,6 +189,7 @@ def create_app(
     ignore_bad_snapshot: bool = False,
     workers: list[Subscription] | None = None,
     replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS,
+    full_gc_interval_secs: float = 0.0,
 ) -> Starlette:
     """The indexer app. Start-up loads the `snapshot` file (when given), then recovers from the
     first reachable of `peers`, before the server accepts connections (uvicorn opens the port
@@ -196,6 +210,8 @@ def create_app(
         for subscription in workers or ():
             routes.subscribe(subscription)
         tasks = [asyncio.create_task(_log_evictions(indexer))]
+        if full_gc_interval_secs > 0:
+            tasks.append(asyncio.create_task(_collect_garbage(full_gc_interval_secs)))
         if snapshots is not None:
             tasks.append(asyncio.create_task(snapshots.run_periodically()))
         try:

@@ -3,8 +3,9 @@
 A listener connects a SUB socket (empty subscription: every topic) to the engine's PUB socket
 and applies each batch to the `Indexer` on the event loop, between HTTP requests, so the index
 is never touched from two threads. Reading is asynchronous (zmq.asyncio): a dead, slow or
-unreachable engine only leaves its own listener waiting; a busy one hands the loop back after
-every few batches, so queries keep their latency while engines publish.
+unreachable engine only leaves its own listener waiting. Applying takes turns: one batch at a
+time across all listeners, one per turn of the event loop, so HTTP requests are served between
+any two batches and queries keep their latency however many engines publish.
 
 Sequence numbers (one per batch, counting from 0 per publisher socket) decide what a batch is:
 
@@ -48,7 +49,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dynamo_lite.errors import InvalidArgument, NotFound
 
-from .engine_events import MalformedBatch, decode_batch
+from .engine_events import DecodedBatch, MalformedBatch, decode_batch
 from .state import Indexer
 from .tree import WorkerKey
 
@@ -59,7 +60,8 @@ STATUSES: Final[tuple[Status, ...]] = ("connecting", "active", "error", "closed"
 
 END_OF_REPLAY: Final = b"\xff" * 8  # seq -1 as 8 bytes, signed big-endian
 DEFAULT_REPLAY_TIMEOUT_SECS: Final = 5.0
-BATCHES_PER_TURN: Final = 32  # batches applied before the loop gets a turn for HTTP requests
+BATCHES_PER_TURN: Final = 32  # replayed batches applied before the loop gets a turn
+MONITOR_EVERY: Final = 256  # live batches between two looks at the connection events while busy
 # A SUB socket's queue while the loop is busy elsewhere (a replay, a burst of queries): as deep
 # as vLLM's and SGLang's own publisher high-water mark, so a burst is queued, not dropped.
 RECEIVE_HIGH_WATER_MARK: Final = 100_000
@@ -135,10 +137,13 @@ class EngineListener:
         subscription: Subscription,
         context: zmq.asyncio.Context,
         totals: ListenerCounts,
+        turn: asyncio.Lock,
         *,
         replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS,
     ) -> None:
+        """`turn` is shared by every listener of the process: held while a batch is applied."""
         self.indexer = indexer
+        self.turn = turn
         self.subscription = subscription
         self.context = context
         self.totals = totals
@@ -215,18 +220,23 @@ class EngineListener:
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
+            received = 0
             while True:
-                ready = dict(await poller.poll())
-                if monitor in ready:
+                try:
+                    frames = sub_reader.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    # Idle: wait for the next message or connection event.
+                    ready = dict(await poller.poll())
+                    if monitor in ready:
+                        self._read_monitor(monitor_reader)
+                    continue
+                await self._receive(frames)
+                received += 1
+                if received % MONITOR_EVERY == 0:
                     self._read_monitor(monitor_reader)
-                if sub in ready:
-                    for _ in range(BATCHES_PER_TURN):
-                        try:
-                            frames = sub_reader.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        await self._receive(frames)
-                    await asyncio.sleep(0)
+                # With no other listener waiting for `turn`, this one would go on without
+                # handing the loop back: yield once per batch.
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except NotFound:
@@ -276,7 +286,7 @@ class EngineListener:
             expected = 0 if self.last_seq is None else self.last_seq + 1
             if seq > expected:
                 await self._gap(expected, seq)
-        self._apply(seq, frames[2])
+        await self._ingest(seq, frames[2])
 
     async def _join(self, seq: int) -> None:
         """The first batch this listener receives: the engine may have published long before."""
@@ -316,15 +326,29 @@ class EngineListener:
                 expected, seq, lost, "" if sub.replay_endpoint else " (no replay_endpoint registered)",
             )
 
-    def _apply(self, seq: int, payload: bytes) -> None:
-        sub = self.subscription
+    async def _ingest(self, seq: int, payload: bytes) -> None:
+        """Decode, then apply, one batch: two turns of the event loop, each holding `turn`, so
+        an HTTP request waits for at most half a batch's work."""
         self.last_seq = seq
+        async with self.turn:
+            batch = self._decode(seq, payload)
+        if batch is None:
+            return
+        await asyncio.sleep(0)
+        async with self.turn:
+            self._commit(batch)
+
+    def _decode(self, seq: int, payload: bytes) -> DecodedBatch | None:
+        sub = self.subscription
         try:
-            batch = decode_batch(payload, worker_id=sub.worker_id, dp_rank=sub.dp_rank, seq=seq,
-                                 block_size=sub.block_size)
+            return decode_batch(payload, worker_id=sub.worker_id, dp_rank=sub.dp_rank, seq=seq,
+                                block_size=sub.block_size)
         except MalformedBatch as error:
             self._count_failure(f"seq {seq}: {error}")
-            return
+            return None
+
+    def _commit(self, batch: DecodedBatch) -> None:
+        sub = self.subscription
         if batch.dp_rank != sub.dp_rank:
             self._fed.add((sub.worker_id, batch.dp_rank))
         report = self.indexer.apply_batch(sub.model_name, sub.tenant_id, batch.events)
@@ -386,7 +410,7 @@ class EngineListener:
             seq = int.from_bytes(seq_frame, "big")
             if seq < start or seq >= end or (self.last_seq is not None and seq <= self.last_seq):
                 continue  # older than asked, or the live stream delivers it
-            self._apply(seq, payload)
+            await self._ingest(seq, payload)
             self._count("replayed_batches")
             applied += 1
             if applied % BATCHES_PER_TURN == 0:
@@ -403,14 +427,21 @@ class Listeners:
         self.totals = ListenerCounts()
         self._listeners: dict[WorkerKey, EngineListener] = {}
         self._context: zmq.asyncio.Context | None = None
+        # One batch applied at a time, process-wide. asyncio.Lock wakes the next waiter only on
+        # the loop's next iteration, after it has polled the sockets, so however many engines
+        # are busy, a query waits for at most one batch (not one per busy engine).
+        self._turn: asyncio.Lock | None = None
 
     def start(self, subscription: Subscription) -> EngineListener:
         """Subscribe to one engine; needs a running event loop. Replaces nothing: the caller
         has registered the rank, which fails for a rank registered already."""
         if self._context is None:
             self._context = zmq.asyncio.Context()
+        if self._turn is None:
+            self._turn = asyncio.Lock()
         listener = EngineListener(
-            self.indexer, subscription, self._context, self.totals, replay_timeout_secs=self.replay_timeout_secs
+            self.indexer, subscription, self._context, self.totals, self._turn,
+            replay_timeout_secs=self.replay_timeout_secs,
         )
         self._listeners[subscription.key] = listener
         listener.start()
