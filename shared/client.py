@@ -217,13 +217,18 @@ class AsyncIndexerClient(_AsyncServiceClient):
         dp_rank: int = 0,
         tenant_id: str = DEFAULT_TENANT,
         endpoint: str | None = None,
+        replay_endpoint: str | None = None,
     ) -> None:
+        """Register one rank; with `endpoint` (the engine's ZMQ KV-event publisher) the indexer
+        subscribes to it, and asks `replay_endpoint` for batches it missed."""
         body: dict[str, Any] = {
             "instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id,
             "block_size": block_size, "dp_rank": dp_rank,
         }
         if endpoint is not None:
             body["endpoint"] = endpoint
+        if replay_endpoint is not None:
+            body["replay_endpoint"] = replay_endpoint
         await self._transport.call("POST", "/register", body)
 
     async def unregister(

@@ -63,7 +63,8 @@ def test_async_indexer_client_round_trip() -> None:
     async def scenario() -> None:
         async with AsyncIndexerClient(client=in_process(create_indexer())) as client:
             await client.health()
-            await client.register(7, "llama", 16, endpoint="tcp://engine:5557")
+            await client.register(7, "llama", 16, endpoint="ipc:///nonexistent/engine",
+                                  replay_endpoint="ipc:///nonexistent/replay")
             report = await client.events({"llama:default": {"block_size": 16, "events": [
                 {"worker_id": 7, "event": {"event_id": 0, "dp_rank": 0, "data": {"stored": {
                     "parent_hash": None, "blocks": [{"block_hash": 100 + i, "tokens_hash": h}
@@ -74,7 +75,9 @@ def test_async_indexer_client_round_trip() -> None:
             assert by_hash.instances[7]["gpu"] == 64
             assert (await client.query("llama", tokens)).scores == {(7, 0): 64}
             assert (await client.query("llama", tokens, lora_name="my-lora")).scores == {}
-            assert [w["instance_id"] for w in await client.workers(model_name="llama")] == [7]
+            (worker,) = await client.workers(model_name="llama")
+            assert worker["instance_id"] == 7
+            assert worker["ranks"][0]["listener"]["replay_endpoint"] == "ipc:///nonexistent/replay"
             assert list(await client.dump()) == ["llama:default"]
             await client.register_peer("http://peer:8090")
             assert await client.peers() == ["http://peer:8090"]

@@ -11,6 +11,7 @@ replay_endpoint}` as a user would. Listeners apply batches asynchronously, so ch
 from __future__ import annotations
 
 import itertools
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -214,6 +215,22 @@ def test_a_lost_message_is_replayed_in_order(indexer: httpx.Client, context: zmq
     assert query(indexer, model)["scores"] == {str(worker): {"0": 5 * BLOCK}}
 
 
+def test_batches_the_engine_no_longer_buffers_are_counted_as_lost(
+    indexer: httpx.Client, context: zmq.Context
+) -> None:
+    model, worker = model_name(), next(_ids)
+    with EnginePublisher(WireFormat.VLLM, context=context, buffer_steps=2) as engine:
+        register(indexer, model, worker, engine)
+        engine.publish([chain(0, 1)])
+        engine.drop_next(4)
+        for start in (1, 2, 3, 4):
+            engine.publish([chain(start, start + 1)])
+        engine.publish([chain(5, 6)])  # seq 5 shows the gap; the buffer then holds seq 4 and 5
+        info = wait_seq(indexer, model, worker, 5)
+    assert (info["gaps"], info["replayed_batches"], info["lost_batches"]) == (1, 1, 3)
+    assert query(indexer, model)["scores"] == {str(worker): {"0": BLOCK}}  # seq 3 had no parent
+
+
 def test_without_replay_a_gap_is_counted_as_lost(indexer: httpx.Client, context: zmq.Context) -> None:
     model, worker = model_name(), next(_ids)
     with EnginePublisher(WireFormat.VLLM, context=context, replay=False) as engine:
@@ -391,6 +408,10 @@ def test_workers_flag_subscribes_at_start_up(context: zmq.Context) -> None:
             wait_seq(client, "startup", 7, 0, dp_rank=1)
             assert query(client, "startup")["scores"] == {"7": {"0": 3 * BLOCK, "1": BLOCK}}
             assert listener(client, "startup", 7)["replay_endpoint"] == engine.replay_endpoint
+            url.process.send_signal(signal.SIGTERM)  # shutdown closes every subscription, exits 0
+            assert url.process.wait(timeout=15) == 0
+            engine.wait_for_unsubscribed()
+            rank_1.wait_for_unsubscribed()
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,10 @@ BLOCK = 16
 TOKENS = list(range(1, 65))
 LOCAL = local_block_hashes(TOKENS, BLOCK)
 CHAIN = sequence_hashes(LOCAL)
-SETTLE_S = 0.5  # the reference has no barrier; this file's publishers send a handful of batches
+# The reference has no barrier: give it time to apply what was published (what it ignores
+# cannot be told from what it has not applied yet), then poll until the answers are as expected.
+SETTLE_S = 0.5
+DEADLINE_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +64,16 @@ def subscribe_both(pair: dict[str, httpx.Client], model: str, engine: EnginePubl
     return worker
 
 
-def answers(pair: dict[str, httpx.Client], model: str, hashes: list[int]) -> dict[str, Any]:
+def answers(pair: dict[str, httpx.Client], model: str, hashes: list[int], expected: dict[str, Any]) -> dict[str, Any]:
+    """Each service's scores for `hashes`, once they equal `expected` or the deadline passed."""
     time.sleep(SETTLE_S)
     body = {"model_name": model, "block_hashes": [to_signed(h) for h in hashes]}
-    return {name: client.post("/query_by_hash", json=body).json()["scores"] for name, client in pair.items()}
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        got = {name: client.post("/query_by_hash", json=body).json()["scores"] for name, client in pair.items()}
+        if got == expected or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("fmt", [WireFormat.VLLM, WireFormat.VLLM_LEGACY, WireFormat.SGLANG])
@@ -76,8 +85,9 @@ def test_the_layouts_dynamo_decodes_answer_alike(pair: dict[str, httpx.Client], 
         disk = "STORAGE" if fmt is not WireFormat.SGLANG else "DISK"
         engine.publish([Stored(CHAIN[:2], None, TOKENS[:32], BLOCK), Stored(CHAIN[2:3], CHAIN[1], TOKENS[32:48],
                                                                          BLOCK, medium=disk)])
-        got = answers(pair, model, LOCAL)
-    assert got["ours"] == got["reference"] == {str(worker): {"0": 2 * BLOCK}}
+        expected = {str(worker): {"0": 2 * BLOCK}}
+        got = answers(pair, model, LOCAL, {"reference": expected, "ours": expected})
+    assert got["ours"] == got["reference"] == expected
     for name, client in pair.items():
         body = {"model_name": model, "block_hashes": [to_signed(h) for h in LOCAL]}
         assert client.post("/query_by_hash", json=body).json()["instances"][str(worker)]["disk"] == 3 * BLOCK, name
@@ -88,8 +98,9 @@ def test_a_map_batch_is_lost_on_dynamo_and_applied_by_ours(pair: dict[str, httpx
     with EnginePublisher(WireFormat.VLLM_MAP_BATCH, context=context) as engine:
         worker = subscribe_both(pair, "map-batch", engine)
         engine.publish([Stored(CHAIN[:2], None, TOKENS[:32], BLOCK)])
-        got = answers(pair, "map-batch", LOCAL)
-    assert got == {"reference": {}, "ours": {str(worker): {"0": 2 * BLOCK}}}
+        expected = {"reference": {}, "ours": {str(worker): {"0": 2 * BLOCK}}}
+        got = answers(pair, "map-batch", LOCAL, expected)
+    assert got == expected
 
 
 def test_a_restarted_engine_keeps_stale_blocks_on_dynamo_not_on_ours(pair: dict[str, httpx.Client],
@@ -98,11 +109,14 @@ def test_a_restarted_engine_keeps_stale_blocks_on_dynamo_not_on_ours(pair: dict[
         worker = subscribe_both(pair, "restart", engine)
         engine.publish([Stored(CHAIN[:3], None, TOKENS[:48], BLOCK)])
         engine.publish([Stored(CHAIN[3:4], CHAIN[2], TOKENS[48:64], BLOCK)])
-        assert answers(pair, "restart", LOCAL)["ours"] == {str(worker): {"0": 4 * BLOCK}}
+        before = {str(worker): {"0": 4 * BLOCK}}
+        assert answers(pair, "restart", LOCAL, {"reference": before, "ours": before}) == {"reference": before,
+                                                                                         "ours": before}
         engine.restart()  # the new engine holds only what it stores now
         engine.publish([Stored(CHAIN[:1], None, TOKENS[:16], BLOCK)])
-        got = answers(pair, "restart", LOCAL)
-    assert got == {"reference": {str(worker): {"0": 4 * BLOCK}}, "ours": {str(worker): {"0": BLOCK}}}
+        expected = {"reference": before, "ours": {str(worker): {"0": BLOCK}}}
+        got = answers(pair, "restart", LOCAL, expected)
+    assert got == expected
 
 
 def test_multimodal_extra_keys_enter_ours_hash_and_not_dynamo_1_6_1s(pair: dict[str, httpx.Client],
@@ -112,8 +126,9 @@ def test_multimodal_extra_keys_enter_ours_hash_and_not_dynamo_1_6_1s(pair: dict[
         worker = subscribe_both(pair, "multimodal", engine)
         engine.publish([Stored(CHAIN[:2], None, TOKENS[:32], BLOCK, extra_keys=[[image], None])])
         with_image = local_block_hashes_with_media(TOKENS[:32], BLOCK, [[int(image[:16], 16)], None])
-        text_only = answers(pair, "multimodal", LOCAL[:2])
-        imaged = answers(pair, "multimodal", with_image)
+        held = {str(worker): {"0": 2 * BLOCK}}
+        text_only = answers(pair, "multimodal", LOCAL[:2], {"reference": held, "ours": {}})
+        imaged = answers(pair, "multimodal", with_image, {"reference": {}, "ours": held})
     # Dynamo 1.6.1 hashes the placeholder tokens alone: any image in that place would match.
-    assert text_only == {"reference": {str(worker): {"0": 2 * BLOCK}}, "ours": {}}
-    assert imaged == {"reference": {}, "ours": {str(worker): {"0": 2 * BLOCK}}}
+    assert text_only == {"reference": held, "ours": {}}
+    assert imaged == {"reference": {}, "ours": held}

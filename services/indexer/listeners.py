@@ -60,7 +60,6 @@ STATUSES: Final[tuple[Status, ...]] = ("connecting", "active", "error", "closed"
 
 END_OF_REPLAY: Final = b"\xff" * 8  # seq -1 as 8 bytes, signed big-endian
 DEFAULT_REPLAY_TIMEOUT_SECS: Final = 5.0
-BATCHES_PER_TURN: Final = 32  # replayed batches applied before the loop gets a turn
 MONITOR_EVERY: Final = 256  # live batches between two looks at the connection events while busy
 # A SUB socket's queue while the loop is busy elsewhere (a replay, a burst of queries): as deep
 # as vLLM's and SGLang's own publisher high-water mark, so a burst is queued, not dropped.
@@ -300,7 +299,7 @@ class EngineListener:
             else "blocks it stored before are unknown until it stores them again",
         )
         if sub.replay_endpoint:
-            await self._replay(0, seq)
+            await self._replay(0, seq, count_lost=False)
 
     def _restart(self, seq: int) -> None:
         sub = self.subscription
@@ -317,7 +316,8 @@ class EngineListener:
         self._count("gaps")
         if sub.replay_endpoint:
             await self._replay(expected, seq)
-        resumed = 0 if self.last_seq is None else self.last_seq + 1
+        # Batches the replay did not end with (holes inside it are counted by `_replay`).
+        resumed = expected if self.last_seq is None or self.last_seq < expected else self.last_seq + 1
         lost = seq - resumed
         if lost > 0:
             self._count("lost_batches", lost)
@@ -373,8 +373,10 @@ class EngineListener:
 
     # --- replay -----------------------------------------------------------------------------
 
-    async def _replay(self, start: int, end: int) -> None:
-        """Apply the engine's buffered batches numbered start..end-1 that are still new."""
+    async def _replay(self, start: int, end: int, *, count_lost: bool = True) -> None:
+        """Apply the engine's buffered batches numbered start..end-1 that are still new. Those
+        the engine no longer has are counted as lost (when `count_lost`; not for the history of
+        an engine that ran before this listener subscribed)."""
         sub = self.subscription
         assert sub.replay_endpoint is not None
         if self._dealer is None:
@@ -410,11 +412,12 @@ class EngineListener:
             seq = int.from_bytes(seq_frame, "big")
             if seq < start or seq >= end or (self.last_seq is not None and seq <= self.last_seq):
                 continue  # older than asked, or the live stream delivers it
+            expected = start if self.last_seq is None or self.last_seq < start else self.last_seq + 1
+            if seq > expected and count_lost:
+                self._count("lost_batches", seq - expected)  # the engine's buffer no longer has them
             await self._ingest(seq, payload)
             self._count("replayed_batches")
             applied += 1
-            if applied % BATCHES_PER_TURN == 0:
-                await asyncio.sleep(0)
         logger.info("worker %d dp_rank %d: replayed %d batches from seq %d", sub.worker_id, sub.dp_rank, applied, start)
 
 
