@@ -4,11 +4,15 @@ services running as subprocesses."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
 import math
 import random
+import re
+import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,7 @@ from dynamo_lite.client import SlotTrackerClient
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer
-from dynamo_lite.simulate.__main__ import main
+from dynamo_lite.simulate.__main__ import build_parser, main
 from dynamo_lite.simulate.calls import percentile
 from dynamo_lite.simulate.fleet import FleetConfig, RankCache, events_document
 from dynamo_lite.simulate.metrics import RankLoad, TimeWeighted
@@ -32,7 +36,7 @@ from dynamo_lite.simulate.trace import (
     load_trace,
     parse_lines,
 )
-from reference_server import free_port, running_server
+from reference_server import free_port, running_server, running_service
 
 # --- fleet ------------------------------------------------------------------------------------
 
@@ -395,3 +399,37 @@ def test_replay_against_both_services(tmp_path: Path, capsys: pytest.CaptureFixt
     for key in ("hit_ratio", "ttft_seconds", "load", "evicted_blocks"):
         assert rerun[key] == results["kv"][key]
     assert "hit ratio" in table and "round_robin" in table and "slot_tracker /add" in table
+
+
+# --- the bundled sample trace -----------------------------------------------------------------
+
+
+def test_the_default_trace_is_the_bundled_sample_and_loads() -> None:
+    data_dir = resources.files("dynamo_lite.simulate") / "data"
+    default = build_parser().parse_args([]).trace
+    assert Path(default) == Path(str(data_dir / "conversation_sample.jsonl"))
+    records = load_trace(default)
+    assert len(records) == 300
+    stamps = [r.timestamp_ms for r in records]
+    assert stamps[0] == 0 and stamps == sorted(stamps) and stamps[-1] > 0
+    assert all(r.hash_ids for r in records)
+    # The README beside it names where it comes from and the file's exact digest.
+    readme = (data_dir / "README.md").read_text()
+    digest = hashlib.sha256((data_dir / "conversation_sample.jsonl").read_bytes()).hexdigest()
+    assert digest in readme and "kvcache-ai/Mooncake" in readme and "Apache License 2.0" in readme
+
+
+def test_simulate_without_trace_replays_the_bundled_sample(tmp_path: Path) -> None:
+    python = sys.executable
+    with running_service("slot_tracker") as slot_url, running_service("indexer") as indexer_url:
+        # Another working directory: the sample is found through the package, not the cwd.
+        done = subprocess.run(
+            [python, "-m", "dynamo_lite.simulate", "--limit", "40", "--slot-tracker", slot_url,
+             "--indexer", indexer_url, "--quiet"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+        )
+    assert done.returncode == 0, done.stderr
+    assert "; 40 requests," in done.stdout and "hit ratio" in done.stdout
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) +(\d\.\d+) ", done.stdout, re.MULTILINE)}
+    assert set(rows) == {"kv", "round_robin", "random", "least_loaded"}
+    assert all(0 <= ratio <= 1 for ratio in rows.values())

@@ -1,5 +1,8 @@
 """`python -m dynamo_lite.simulate`: replay a trace against the running services, per policy.
 
+Without `--trace` it replays the bundled sample, the first 300 requests of the public Mooncake
+conversation trace (`data/conversation_sample.jsonl`, see `data/README.md`).
+
 Both services must already run (`python -m dynamo_lite.slot_tracker`, `python -m
 dynamo_lite.indexer`). Each policy gets a fresh simulated fleet and its own model name, and its
 workers are unregistered from both services afterwards, so runs never see each other's state.
@@ -17,7 +20,8 @@ import asyncio
 import gc
 import os
 import sys
-from typing import Any
+from importlib import resources
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from dynamo_lite.client import ServiceCallError
@@ -37,7 +41,21 @@ from .trace import (
     load_trace,
 )
 
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
+
 DEFAULTS = FleetConfig()
+SAMPLE_TRACE = "conversation_sample.jsonl"
+FULL_TRACE_SOURCE = "FAST25-release/traces/conversation_trace.jsonl of github.com/kvcache-ai/Mooncake"
+
+
+def bundled_trace() -> Traversable:
+    """The trace shipped as package data: the first 300 requests of Mooncake's public
+    conversation trace."""
+    return resources.files("dynamo_lite.simulate") / "data" / SAMPLE_TRACE
 
 
 def _positive_int(text: str) -> int:
@@ -75,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         "simulated fleet, and compare routing policies.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--trace", required=True, help="Mooncake JSONL trace")
+    parser.add_argument("--trace", metavar="PATH", default=str(bundled_trace()),
+                        help="Mooncake JSONL trace; the default is the bundled sample, the first 300 requests of "
+                        "the public conversation trace. For the full trace (12,031 requests) download "
+                        f"{FULL_TRACE_SOURCE} and pass its path")
     parser.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
     parser.add_argument("--time-scale", type=_positive_float, default=1.0,
                         help="multiply trace timestamps by this (0.5 = twice the request rate)")
