@@ -5,6 +5,16 @@ loop; `SlotTrackerClient` / `IndexerClient` are thin synchronous wrappers for sc
 tests. All share one `httpx.AsyncClient` per instance (connection pooling, keep-alive) and a
 timeout per call; a non-2xx answer raises `ServiceCallError` with the status and the service's
 `{"error": ...}` message.
+
+Answer rows of the slot tracker, re-exported here (they are the tracker core's own types, one
+definition of the wire shape):
+
+* `WorkerInfo`: one registered worker (`worker_id`, `model_name`, `tenant_id`, `block_size`,
+  and its DP range `dp_start`, `dp_size`), as `workers()` lists them.
+* `RankLoad`: one rank's current load (`active_prefill_tokens`, `active_decode_blocks`), as
+  `loads()` lists them.
+* `PotentialLoad`: one rank's load if a request were added there (`potential_prefill_tokens`,
+  `potential_decode_blocks`, plus its `active_requests`), as `potential_loads()` lists them.
 """
 
 from __future__ import annotations
@@ -21,13 +31,21 @@ import orjson
 from .slot_tracker.core import PotentialLoad, RankLoad, WorkerInfo
 
 DEFAULT_TIMEOUT_SECS = 5.0
+"""Seconds a client waits for each call (connect, read, write) unless told otherwise."""
 DEFAULT_TENANT = "default"
+"""The `tenant_id` the clients send when none is given, as the services assume."""
 
 T = TypeVar("T")
 
 
 class ServiceCallError(Exception):
-    """A call the service answered with an error status, or could not be made at all."""
+    """A call the service answered with an error status, or could not be made at all.
+
+    `status` is the HTTP status of the answer, or 0 when there was no answer (connection
+    refused, timeout, connection reset: any transport error); `message` is the service's
+    `{"error": ...}` text, or the transport error's name and text; `method` and `path` name
+    the call (`"POST"`, `"/add"`).
+    """
 
     def __init__(self, status: int, message: str, *, method: str = "", path: str = "") -> None:
         super().__init__(f"{method} {path} -> {status}: {message}" if method else f"{status}: {message}")
@@ -47,6 +65,7 @@ class OverlapScores:
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> OverlapScores:
+        """Parse a `/query` or `/query_by_hash` answer body (string keys become ints)."""
         scores = {
             (int(instance), int(rank)): tokens
             for instance, ranks in body["scores"].items()
@@ -112,13 +131,21 @@ class _AsyncServiceClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the connection pool (not an `httpx.AsyncClient` passed in: its owner closes it)."""
         await self._transport.aclose()
 
     async def health(self) -> None:
+        """`GET /health`: returns if the service answers, raises `ServiceCallError` otherwise."""
         await self._transport.call("GET", "/health")
 
 
 class AsyncSlotTrackerClient(_AsyncServiceClient):
+    """Async client of the slot tracker (active requests and load per rank); one method per route.
+
+    Pass `client` to share an `httpx.AsyncClient` (its base URL and timeout then apply); use it
+    as `async with AsyncSlotTrackerClient(url) as tracker:` or call `aclose()` at the end.
+    """
+
     def __init__(
         self,
         base_url: str = "http://127.0.0.1:8091",
@@ -138,17 +165,24 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
         dp_size: int = 1,
         tenant_id: str = DEFAULT_TENANT,
     ) -> None:
+        """Register a worker with the DP ranks `dp_start` .. `dp_start + dp_size - 1`.
+
+        The first worker of a (model, tenant) fixes its `block_size`; 409 if the worker is
+        already registered or the block size differs.
+        """
         await self._transport.call("POST", "/register", {
             "worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id,
             "block_size": block_size, "dp_start": dp_start, "dp_size": dp_size,
         })
 
     async def unregister(self, worker_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """Remove a worker with its ranks and their active requests; 404 if it is not registered."""
         await self._transport.call(
             "POST", "/unregister", {"worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id}
         )
 
     async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
+        """The registered workers, optionally of one model and/or tenant only."""
         items = await self._transport.call("GET", "/workers", params=_filters(model_name, tenant_id))
         return [WorkerInfo(**item) for item in items]
 
@@ -163,6 +197,12 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
         *,
         tenant_id: str = DEFAULT_TENANT,
     ) -> None:
+        """Book a request on a rank: its prompt's chained `sequence_hashes` and the
+        `new_isl_tokens` still to prefill count in that rank's load until `free()`.
+
+        404 if the model or the rank is unknown (the worker left: route again), 409 if the
+        request id is already active.
+        """
         await self._transport.call("POST", "/add", {
             "model_name": model_name, "tenant_id": tenant_id, "request_id": request_id,
             "worker_id": worker_id, "dp_rank": dp_rank, "sequence_hashes": list(sequence_hashes),
@@ -170,16 +210,19 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
         })
 
     async def prefill_complete(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """The request produced its first token: its prompt tokens stop counting as prefill load."""
         await self._transport.call(
             "POST", "/prefill_complete", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
         )
 
     async def free(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """The request ended: drop it from its rank's load. Idempotent, so safe to retry."""
         await self._transport.call(
             "POST", "/free", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
         )
 
     async def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[RankLoad]:
+        """Current load of every rank (idle ones too), optionally of one model and/or tenant."""
         items = await self._transport.call("GET", "/loads", params=_filters(model_name, tenant_id))
         return [RankLoad(**item) for item in items]
 
@@ -191,6 +234,11 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
         *,
         tenant_id: str = DEFAULT_TENANT,
     ) -> list[PotentialLoad]:
+        """Each rank's load if this request were added there, without booking it.
+
+        With `new_isl_tokens=0`, `potential_prefill_tokens` is the rank's active prefill, as
+        `KvRouter` asks. 404 if no worker of the model is registered.
+        """
         items = await self._transport.call("POST", "/potential_loads", {
             "model_name": model_name, "tenant_id": tenant_id,
             "sequence_hashes": list(sequence_hashes), "new_isl_tokens": new_isl_tokens,
@@ -199,6 +247,12 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
 
 
 class AsyncIndexerClient(_AsyncServiceClient):
+    """Async client of the KV-cache indexer (which blocks each rank holds); one method per route.
+
+    Pass `client` to share an `httpx.AsyncClient` (its base URL and timeout then apply); use it
+    as `async with AsyncIndexerClient(url) as indexer:` or call `aclose()` at the end.
+    """
+
     def __init__(
         self,
         base_url: str = "http://127.0.0.1:8090",
@@ -234,12 +288,14 @@ class AsyncIndexerClient(_AsyncServiceClient):
     async def unregister(
         self, instance_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT, dp_rank: int | None = None
     ) -> None:
+        """Remove one rank, or every rank of the instance when `dp_rank` is None, with their blocks."""
         body: dict[str, Any] = {"instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id}
         if dp_rank is not None:
             body["dp_rank"] = dp_rank
         await self._transport.call("POST", "/unregister", body)
 
     async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        """The known instances with, per rank, its block counts, event watermark and subscription."""
         return await self._transport.call("GET", "/workers", params=_filters(model_name, tenant_id))  # type: ignore[no-any-return]
 
     async def events(self, document: dict[str, Any]) -> dict[str, Any]:
@@ -249,6 +305,10 @@ class AsyncIndexerClient(_AsyncServiceClient):
     async def query_by_hash(
         self, model_name: str, block_hashes: Sequence[int], *, tenant_id: str = DEFAULT_TENANT
     ) -> OverlapScores:
+        """Cached tokens per rank for a prompt given as its local block hashes (signed i64).
+
+        404 if nothing is registered or cached for the model yet.
+        """
         body = await self._transport.call("POST", "/query_by_hash", {
             "model_name": model_name, "tenant_id": tenant_id, "block_hashes": list(block_hashes),
         })
@@ -263,6 +323,7 @@ class AsyncIndexerClient(_AsyncServiceClient):
         lora_name: str | None = None,
         cache_salt: str | None = None,
     ) -> OverlapScores:
+        """`query_by_hash` for a prompt given as token ids: the indexer hashes its full blocks."""
         body: dict[str, Any] = {"model_name": model_name, "tenant_id": tenant_id, "token_ids": list(token_ids)}
         if lora_name is not None:
             body["lora_name"] = lora_name
@@ -271,15 +332,19 @@ class AsyncIndexerClient(_AsyncServiceClient):
         return OverlapScores.from_json(await self._transport.call("POST", "/query", body))
 
     async def dump(self) -> dict[str, Any]:
+        """The whole index as an events document, which `events()` on another indexer ingests."""
         return await self._transport.call("GET", "/dump")  # type: ignore[no-any-return]
 
     async def peers(self) -> list[str]:
+        """The base URLs of the peer indexers this indexer knows (`--peers`, `register_peer`)."""
         return await self._transport.call("GET", "/peers")  # type: ignore[no-any-return]
 
     async def register_peer(self, url: str) -> None:
+        """Add a peer indexer's base URL to the list `peers()` returns."""
         await self._transport.call("POST", "/register_peer", {"url": url})
 
     async def deregister_peer(self, url: str) -> None:
+        """Remove a peer indexer's base URL; 404 if it is not in the list."""
         await self._transport.call("POST", "/deregister_peer", {"url": url})
 
 
@@ -312,6 +377,7 @@ class _Blocking(Generic[A]):
         return self._loop.run_until_complete(coroutine)
 
     def close(self) -> None:
+        """Close the async client's connections and this wrapper's event loop (repeats are no-ops)."""
         if not self._loop.is_closed():
             self._run(self._async.aclose())
             self._loop.close()
@@ -324,14 +390,22 @@ class _Blocking(Generic[A]):
 
 
 class SlotTrackerClient(_Blocking[AsyncSlotTrackerClient]):
-    """Synchronous slot tracker client: `SlotTrackerClient(url).loads()`."""
+    """Synchronous slot tracker client: `SlotTrackerClient(url).loads()`.
+
+    Same methods and arguments as `AsyncSlotTrackerClient`, each returning its result; for
+    scripts and tests, not inside a running event loop. Use `with` or call `close()`.
+    """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8091", *, timeout: float = DEFAULT_TIMEOUT_SECS) -> None:
         super().__init__(AsyncSlotTrackerClient(base_url, timeout=timeout))
 
 
 class IndexerClient(_Blocking[AsyncIndexerClient]):
-    """Synchronous indexer client: `IndexerClient(url).query_by_hash(model, hashes)`."""
+    """Synchronous indexer client: `IndexerClient(url).query_by_hash(model, hashes)`.
+
+    Same methods and arguments as `AsyncIndexerClient`, each returning its result; for scripts
+    and tests, not inside a running event loop. Use `with` or call `close()`.
+    """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8090", *, timeout: float = DEFAULT_TIMEOUT_SECS) -> None:
         super().__init__(AsyncIndexerClient(base_url, timeout=timeout))

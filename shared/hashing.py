@@ -24,13 +24,18 @@ from typing import Final
 from xxhash import xxh3_64_intdigest
 
 U64_MASK: Final = 2**64 - 1
+"""64 one bits: `value & U64_MASK` is the u64 with the low 64 bits of `value`."""
 I64_MIN: Final = -(2**63)
+"""Smallest i64, the lowest hash value the signed wire form (`/query_by_hash`, slot tracker) takes."""
 I64_MAX: Final = 2**63 - 1
+"""Largest i64: u64 hashes above it are negative in the signed wire form."""
 U64_MAX: Final = U64_MASK
-U64_MODULUS: Final = 2**64  # an i64 plus this is the u64 with the same bits
+"""Largest u64, the highest hash value KV events and dumps carry."""
+U64_MODULUS: Final = 2**64
+"""2**64: a negative i64 plus this is the u64 with the same bits."""
 
-# Dynamo's `XXH3_SEED` for local block hashes.
 LOCAL_HASH_SEED: Final = 1337
+"""Seed of local block hashes without LoRA adapter or cache salt (Dynamo's `XXH3_SEED`)."""
 
 # Seed of the sequence-hash chain. Dynamo's own publishers in the sources contemporary with
 # 1.6.1 chain with `compute_hash`, i.e. XXH3 seeded with `XXH3_SEED` = 1337
@@ -39,6 +44,7 @@ LOCAL_HASH_SEED: Final = 1337
 # documents seed 0. The indexer never checks external hashes, so this only has to be stable
 # and match what Dynamo-side publishers emit; pass `seed=0` to reproduce the newer chain.
 SEQUENCE_HASH_SEED: Final = 1337
+"""Default seed of the sequence-hash chain (1337, as Dynamo 1.6.1's publishers chain)."""
 
 _SALT_SEED: Final = 1  # XXH3 seed of the cache-salt term
 

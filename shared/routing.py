@@ -33,11 +33,23 @@ from .hashing import local_block_hashes, sequence_hashes, to_signed
 
 
 class NoWorkerAvailable(Exception):
-    """No registered rank can take the request (none registered, or all over a busy threshold)."""
+    """No registered rank can take the request (none registered, or all over a busy threshold).
+
+    Raised by `KvRouter.select` (and `choose`) when no rank of the model is registered with
+    the slot tracker, or every one is over a `RouterConfig` busy threshold; the message says
+    which.
+    """
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
+    """How `KvRouter` weighs cached tokens against load, and when a rank counts as busy.
+
+    `overlap_score_weight` multiplies the prefill blocks in the cost (0 ignores the cache);
+    `router_temperature` 0 takes the cheapest rank, higher values spread requests more
+    randomly. Both must be finite and >= 0 (ValueError otherwise).
+    """
+
     overlap_score_weight: float = 1.0
     router_temperature: float = 0.0
     # A rank is busy, so not a candidate, when its decode blocks with this request would exceed
@@ -66,6 +78,7 @@ class RankCost:
     busy: bool
 
     def formula(self, weight: float) -> str:
+        """The cost written out for logs: `cost = weight * prefill_blocks + decode_blocks`."""
         return (
             f"worker {self.worker_id} rank {self.dp_rank}: {self.cost:.3f} = {weight:g} * "
             f"{self.prefill_blocks:.3f} + {self.decode_blocks} (cached tokens: {self.cached_tokens})"
@@ -107,7 +120,11 @@ def choose(costs: Sequence[RankCost], temperature: float, rng: random.Random) ->
     """Lowest cost at temperature 0, else a softmax sample over costs scaled to [0, 1]."""
     candidates = sorted((c for c in costs if not c.busy), key=lambda c: (c.worker_id, c.dp_rank))
     if not candidates:
-        raise NoWorkerAvailable("no rank can take the request (none registered, or all busy)")
+        if not costs:
+            raise NoWorkerAvailable("no rank can take the request: none is registered")
+        raise NoWorkerAvailable(
+            f"no rank can take the request: all {len(costs)} registered ranks are over a busy threshold"
+        )
     if temperature == 0:
         best = min(c.cost for c in candidates)
         return rng.choice([c for c in candidates if c.cost == best])
@@ -121,6 +138,12 @@ def choose(costs: Sequence[RankCost], temperature: float, rng: random.Random) ->
 
 @dataclass(slots=True)
 class Decision:
+    """The rank `KvRouter.select` chose, with what `commit` needs to book it.
+
+    `costs` holds every candidate's breakdown, `config` the settings the choice used (per-call
+    overrides applied) and `lookup_secs` how long the two service reads took.
+    """
+
     model_name: str
     tenant_id: str
     worker_id: int
@@ -133,6 +156,7 @@ class Decision:
 
     @property
     def chosen(self) -> RankCost:
+        """The cost breakdown of the chosen rank."""
         return next(c for c in self.costs if (c.worker_id, c.dp_rank) == (self.worker_id, self.dp_rank))
 
 
@@ -147,6 +171,7 @@ class RequestHandle:
     freed: bool = field(default=False)
 
     async def prefill_complete(self) -> None:
+        """Tell the slot tracker the first token is out (once; a no-op after `free()`)."""
         if not self.prefilled and not self.freed:
             await self.slot_tracker.prefill_complete(
                 self.decision.model_name, self.request_id, tenant_id=self.decision.tenant_id
@@ -154,13 +179,19 @@ class RequestHandle:
             self.prefilled = True
 
     async def free(self) -> None:
+        """Tell the slot tracker the request ended (once); call it on errors and cancellation too."""
         if not self.freed:
             await self.slot_tracker.free(self.decision.model_name, self.request_id, tenant_id=self.decision.tenant_id)
             self.freed = True
 
 
 class KvRouter:
-    """Selects a (worker_id, dp_rank) per request from the indexer's and slot tracker's answers."""
+    """Selects a (worker_id, dp_rank) per request from the indexer's and slot tracker's answers.
+
+    `block_size` is the model's tokens per KV block (as its workers registered); `seed` makes
+    the tie-breaking and sampling reproducible. The router holds no state per request: one
+    instance serves all of a gateway's concurrent requests for that block size.
+    """
 
     def __init__(
         self,
@@ -197,7 +228,11 @@ class KvRouter:
         overlap_score_weight: float | None = None,
         router_temperature: float | None = None,
     ) -> Decision:
-        """Query both services concurrently and pick a rank. Overrides apply to this call only."""
+        """Query both services concurrently and pick a rank. Overrides apply to this call only.
+
+        Raises `NoWorkerAvailable` when no rank of the model is registered or all are busy,
+        and `ServiceCallError` when a service cannot be reached or answers another error.
+        """
         config = self.config
         if overlap_score_weight is not None or router_temperature is not None:
             config = replace(
@@ -208,7 +243,16 @@ class KvRouter:
         started = time.perf_counter()
         overlap_task = self._cached_tokens(model_name, tenant_id, local_hashes)
         loads_task = self.slot_tracker.potential_loads(model_name, sequence_hashes, 0, tenant_id=tenant_id)
-        cached, loads = await asyncio.gather(overlap_task, loads_task)
+        try:
+            cached, loads = await asyncio.gather(overlap_task, loads_task)
+        except ServiceCallError as error:
+            if error.status == 404 and error.path == "/potential_loads":
+                # The slot tracker knows no worker of this model: nothing registered to route to.
+                raise NoWorkerAvailable(
+                    f"no rank can take the request: no worker of model {model_name!r} (tenant {tenant_id!r}) "
+                    "is registered with the slot tracker"
+                ) from error
+            raise
         lookup_secs = time.perf_counter() - started
         costs = score_ranks(loads, cached, isl_tokens, self.block_size, config)
         chosen = choose(costs, config.router_temperature, self.rng)
@@ -216,7 +260,10 @@ class KvRouter:
                         list(sequence_hashes), costs, config, lookup_secs)
 
     async def commit(self, decision: Decision, request_id: str) -> RequestHandle:
-        """Book the chosen rank with `/add` (new prefill tokens = the prompt minus its cached part)."""
+        """Book the chosen rank with `/add` (new prefill tokens = the prompt minus its cached part).
+
+        A `ServiceCallError` with status 404 means the rank left since `select`: select again.
+        """
         await self.slot_tracker.add(
             decision.model_name, request_id, decision.worker_id, decision.dp_rank,
             decision.sequence_hashes, decision.isl_tokens - decision.chosen.cached_tokens,

@@ -65,8 +65,30 @@ def test_busy_thresholds_exclude_ranks_and_all_busy_raises() -> None:
     costs = score_ranks(loads((1, 0, 0, 11), (2, 0, 101, 0), (3, 0, 100, 10)), {}, 16, BLOCK, config)
     assert [c.worker_id for c in costs if c.busy] == [1, 2]
     assert choose(costs, 0.0, random.Random(0)).worker_id == 3
-    with pytest.raises(NoWorkerAvailable):
+    with pytest.raises(NoWorkerAvailable, match="all 2 registered ranks are over a busy threshold"):
         choose([c for c in costs if c.busy], 0.0, random.Random(0))
+    with pytest.raises(NoWorkerAvailable, match="none is registered"):
+        choose([], 0.0, random.Random(0))
+
+
+def test_select_for_a_model_nobody_registered_raises_no_worker_available() -> None:
+    import asyncio
+
+    from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+    from dynamo_lite.indexer.app import create_app as create_indexer
+    from dynamo_lite.routing import KvRouter
+    from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
+    from test_client import in_process
+
+    async def scenario() -> None:
+        async with AsyncSlotTrackerClient(client=in_process(create_slot_tracker())) as tracker, \
+                AsyncIndexerClient(client=in_process(create_indexer())) as indexer:
+            router = KvRouter(tracker, indexer, block_size=BLOCK)
+            local, chained = router.hashes_for(list(range(64)))
+            with pytest.raises(NoWorkerAvailable, match="no worker of model 'nobody' .* is registered"):
+                await router.select("nobody", isl_tokens=64, local_hashes=local, sequence_hashes=chained)
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("kwargs", [{"overlap_score_weight": -1}, {"router_temperature": float("nan")}])
