@@ -29,6 +29,9 @@ def describe(value: Any) -> str:
     if isinstance(value, int):
         return f"integer {value}"
     if isinstance(value, float):
+        if value.is_integer() and abs(value) >= 2**63:
+            # orjson reads an integer beyond the 64-bit range as a float: say what was sent.
+            return f"an integer beyond the 64-bit range (about {value:.4g})"
         return "floating point number"
     if isinstance(value, str):
         return "string"
@@ -104,7 +107,10 @@ def i64_list(body: dict[str, Any], name: str) -> list[int]:
     # orjson decodes integers below -2**63 as floats, rejected above, so only the top needs a pass.
     if max(value) > I64_MAX:
         index, bad = next((i, v) for i, v in enumerate(value) if not I64_MIN <= v <= I64_MAX)
-        raise InvalidShape(f"{name}[{index}]: invalid value: integer `{bad}`, expected i64")
+        raise InvalidShape(
+            f"{name}[{index}]: invalid value: integer `{bad}`, expected i64 (hashes travel signed: write "
+            f"a u64 above 2**63 - 1 as value - 2**64, e.g. dynamo_lite.hashing.to_signed, here {bad - 2**64})"
+        )
     return value
 
 

@@ -335,3 +335,13 @@ def running_server(
         if not keep_log and not failed:
             with contextlib.suppress(OSError):
                 log_path.unlink()
+
+
+@contextlib.contextmanager
+def running_service(service: str, *flags: str) -> Iterator[ServerURL]:
+    """`python -m dynamo_lite.<service>` on a free loopback port, as `running_server` runs it."""
+    port = free_port()
+    argv = [sys.executable, "-m", f"dynamo_lite.{service}", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning", *flags]
+    with running_server(argv, port) as url:
+        yield url

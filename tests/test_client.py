@@ -39,7 +39,7 @@ def test_async_slot_tracker_client_round_trip() -> None:
             with pytest.raises(ServiceCallError) as failure:
                 await client.add("m", "r2", 7, 5, [], tenant_id="t")
             assert failure.value.status == 404
-            assert "dp_rank: 5" in failure.value.message
+            assert "worker 7 dp_rank 5 is not registered" in failure.value.message
             await client.unregister(7, "m", tenant_id="t")
             assert await client.loads() == []
 

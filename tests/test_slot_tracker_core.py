@@ -113,12 +113,12 @@ def test_lifecycle_errors(tracker: SlotTracker) -> None:
     with pytest.raises(NotFound, match="no slot tracker"):
         tracker.free("m", "default", "a")
     tracker.register(1, "m", "default", 16, 0, 1)
-    with pytest.raises(NotFound, match=r"Worker WorkerWithDpRank \{ worker_id: 1, dp_rank: 1 \} not found"):
+    with pytest.raises(NotFound, match=r"^worker 1 dp_rank 1 is not registered for this model and tenant$"):
         tracker.add("m", "default", "a", 1, 1, [], 0)
     tracker.add("m", "default", "a", 1, 0, [], 0)
-    with pytest.raises(NotFound, match=r"WorkerWithDpRank"):
+    with pytest.raises(NotFound, match=r"is not registered for this model and tenant"):
         tracker.add("m", "default", "a", 2, 0, [], 0)  # unknown rank wins over the duplicate id
-    with pytest.raises(Conflict, match=r"Request a already exists \(assigned to worker WorkerWithDpRank \{ worker_id: 1, dp_rank: 0 \}\)"):
+    with pytest.raises(Conflict, match=r"^request a already exists \(assigned to worker 1 dp_rank 0\)$"):
         tracker.add("m", "default", "a", 1, 0, [], 0)
     with pytest.raises(NotFound, match="Request zz not found"):
         tracker.prefill_complete("m", "default", "zz")

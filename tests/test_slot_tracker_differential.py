@@ -7,7 +7,9 @@ Every answer is compared exactly after normalising the reference's vocabulary to
 * the reference's partition key is `routing_group`; ours is `tenant_id` (with `routing_group` as an
   input alias). The reference is sent `routing_group`; ours is sent, at random, `tenant_id`,
   `routing_group`, or nothing when the tenant is "default". Response keys `routing_group` become
-  `tenant_id`, and `routing_group=` in error messages becomes `tenant_id=`;
+  `tenant_id`, and `routing_group=` in error messages becomes `tenant_id=`; the reference's Rust
+  debug texts for an unknown rank and a duplicate request id are translated into ours' wording
+  (`_REWORDED`);
 * `/potential_loads` order is unspecified: compared as a multiset.
 
 Hashes are realistic chained block hashes (`h_i = H(h_{i-1}, block_i)`, emitted as signed i64),
@@ -25,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import struct
 import sys
 from collections import Counter, deque
@@ -94,11 +97,29 @@ def _dump(value: Any) -> str:
     return text if len(text) <= 600 else text[:600] + f"... ({len(text)} chars)"
 
 
+# Messages ours words for people where the reference prints Rust debug text (same statuses).
+_REWORDED = [
+    (re.compile(r"^Worker WorkerWithDpRank \{ worker_id: (\d+), dp_rank: (\d+) \} not found$"),
+     lambda m: f"worker {m[1]} dp_rank {m[2]} is not registered for this model and tenant"),
+    (re.compile(r"^Request (.*) already exists \(assigned to worker WorkerWithDpRank "
+                r"\{ worker_id: (\d+), dp_rank: (\d+) \}\)$"),
+     lambda m: f"request {m[1]} already exists (assigned to worker {m[2]} dp_rank {m[3]})"),
+]
+
+
+def _reword(message: str) -> str:
+    for pattern, words in _REWORDED:
+        match = pattern.match(message)
+        if match:
+            return words(match)
+    return message
+
+
 def _rename(value: Any) -> Any:
     if isinstance(value, dict):
         out = {("tenant_id" if k == "routing_group" else k): _rename(v) for k, v in value.items()}
         if isinstance(out.get("error"), str):
-            out["error"] = out["error"].replace("routing_group=", "tenant_id=")
+            out["error"] = _reword(out["error"].replace("routing_group=", "tenant_id="))
         return out
     if isinstance(value, list):
         return [_rename(v) for v in value]

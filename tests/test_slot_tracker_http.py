@@ -90,10 +90,10 @@ def test_service_errors(client: TestClient) -> None:
     assert_error(post(client, "/unregister", {"worker_id": 9, "model_name": "m"}), 404,
                  "worker 9 not found for model=m tenant_id=default")
     add = {"model_name": "m", "request_id": "a", "worker_id": 7, "dp_rank": 5, "sequence_hashes": []}
-    assert_error(post(client, "/add", add), 404, "Worker WorkerWithDpRank { worker_id: 7, dp_rank: 5 } not found")
+    assert_error(post(client, "/add", add), 404, "worker 7 dp_rank 5 is not registered for this model and tenant")
     assert post(client, "/add", {**add, "dp_rank": 1}).status_code == 201
     assert_error(post(client, "/add", {**add, "dp_rank": 0}), 409,
-                 "Request a already exists (assigned to worker WorkerWithDpRank { worker_id: 7, dp_rank: 1 })")
+                 "request a already exists (assigned to worker 7 dp_rank 1)")
     assert_error(post(client, "/prefill_complete", {"model_name": "m", "request_id": "zz"}), 404, "Request zz not found")
     assert_error(post(client, "/potential_loads", {"model_name": "x", "sequence_hashes": []}), 404,
                  "no slot tracker for model=x tenant_id=default")
@@ -209,3 +209,21 @@ def test_openapi_document_is_served(client: TestClient) -> None:
     assert document["openapi"].startswith("3.1")
     assert {"/register", "/unregister", "/workers", "/add", "/prefill_complete", "/free", "/loads",
             "/potential_loads", "/health"} <= set(document["paths"])
+
+
+def test_integers_out_of_range_are_named_as_such(client: TestClient) -> None:
+    """Errors worded for a person: what was sent, what is expected, and how to fix it."""
+    register = {"model_name": "m", "worker_id": 2**64, "block_size": 16, "dp_start": 0, "dp_size": 1}
+    assert_error(post(client, "/register", register), 422,
+                 "worker_id: invalid type: an integer beyond the 64-bit range (about 1.845e+19), expected u64")
+    assert post(client, "/register", {**register, "worker_id": 1}).status_code == 201
+    add = {"model_name": "m", "request_id": "r", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [5, 2**63]}
+    assert_error(post(client, "/add", add), 422,
+                 "sequence_hashes[1]: invalid value: integer `9223372036854775808`, expected i64 (hashes travel "
+                 "signed: write a u64 above 2**63 - 1 as value - 2**64, e.g. dynamo_lite.hashing.to_signed, "
+                 "here -9223372036854775808)")
+    assert_error(post(client, "/add", {**add, "sequence_hashes": [-(2**64)]}), 422,
+                 "sequence_hashes[0]: invalid type: an integer beyond the 64-bit range (about -1.845e+19), "
+                 "expected i64")
+    assert_error(post(client, "/add", {**add, "sequence_hashes": [1.5]}), 422,
+                 "sequence_hashes[0]: invalid type: floating point number, expected i64")

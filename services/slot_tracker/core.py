@@ -228,14 +228,14 @@ class SlotTracker:
         slot = tracker.slots.get((worker_id, dp_rank))
         if slot is None:
             raise NotFound(
-                f"Worker WorkerWithDpRank {{ worker_id: {worker_id}, dp_rank: {dp_rank} }} not found"
+                f"worker {worker_id} dp_rank {dp_rank} is not registered for this model and tenant"
             )
         existing = tracker.requests.get(request_id)
         if existing is not None:
             owner = existing.slot
             raise Conflict(
-                f"Request {request_id} already exists (assigned to worker WorkerWithDpRank "
-                f"{{ worker_id: {owner.worker_id}, dp_rank: {owner.dp_rank} }})"
+                f"request {request_id} already exists (assigned to worker {owner.worker_id} "
+                f"dp_rank {owner.dp_rank})"
             )
         # A hash repeated inside one request is held once by it: refcounts count requests.
         distinct = dict.fromkeys(sequence_hashes)

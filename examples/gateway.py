@@ -1,0 +1,98 @@
+"""A minimal gateway loop: register a fleet, route a stream of prompts, report each request's
+lifecycle, read the loads.
+
+    .venv/bin/python examples/gateway.py --slot-tracker http://localhost:8091 --indexer http://localhost:8090
+
+Three conversations of three turns each go to a fleet of four workers, one turn of each
+conversation in flight at a time. Each turn's prompt repeats the conversation so far, so once a
+worker has served a turn it holds that prefix and the router sends the next turn there (its
+cost counts only the uncached blocks), while requests in flight make a busy worker cost more
+for a new conversation. In production the engines tell the indexer what they cached (they publish KV events
+that the indexer subscribes to); here each worker's stand-in engine reports it through the
+sidecar of `examples/sidecar.py` when a request finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+from pathlib import Path
+
+from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+from dynamo_lite.routing import KvRouter, NoWorkerAvailable, RequestHandle, RouterConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sidecar import EngineSidecar  # noqa: E402  (the example beside this one)
+
+MODEL = "llama-3-8b"
+BLOCK_SIZE = 16
+WORKERS = (1, 2, 3, 4)
+
+
+async def route(router: KvRouter, request_id: str, tokens: list[int]) -> RequestHandle:
+    """Pick a worker for one request and book it there (POST /add)."""
+    local, chained = router.hashes_for(tokens)
+    decision = await router.select(MODEL, isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained)
+    chosen = decision.chosen
+    print(f"{request_id}: {len(tokens)} tokens -> worker {decision.worker_id} "
+          f"(cached {chosen.cached_tokens} tokens, cost {chosen.cost:.2f}; "
+          f"lookup {decision.lookup_secs * 1000:.1f} ms)")
+    return await router.commit(decision, request_id)  # the gateway forwards the request now
+
+
+async def run(slot_tracker_url: str, indexer_url: str) -> int:
+    rng = random.Random(0)
+    async with AsyncSlotTrackerClient(slot_tracker_url) as slot_tracker, AsyncIndexerClient(indexer_url) as indexer:
+        for worker_id in WORKERS:
+            await slot_tracker.register(worker_id, MODEL, BLOCK_SIZE)
+            await indexer.register(worker_id, MODEL, BLOCK_SIZE)
+        engines = {worker_id: EngineSidecar(indexer, MODEL, worker_id, block_size=BLOCK_SIZE) for worker_id in WORKERS}
+        router = KvRouter(slot_tracker, indexer, block_size=BLOCK_SIZE,
+                          config=RouterConfig(overlap_score_weight=1.0, router_temperature=0.0), seed=0)
+        try:
+            conversations: dict[str, list[int]] = {name: [] for name in ("a", "b", "c")}
+            placed: dict[str, set[int]] = {name: set() for name in conversations}
+            for turn in range(3):
+                # One turn of every conversation is in flight at once.
+                handles = {}
+                for name, history in conversations.items():
+                    history += [rng.randrange(32_000) for _ in range(64)]  # the user's next message
+                    handles[name] = await route(router, f"{name}-{turn}", list(history))
+                for handle in handles.values():
+                    await handle.prefill_complete()  # each engine streamed its first token
+                if turn == 0:
+                    for load in await slot_tracker.loads(MODEL):
+                        print(f"  worker {load.worker_id}: {load.active_decode_blocks} decode blocks, "
+                              f"{load.active_prefill_tokens} prefill tokens active")
+                for name, handle in handles.items():
+                    engine = engines[handle.decision.worker_id]
+                    await engine.publish(engine.stored(conversations[name]))  # its prompt blocks are cached
+                    await handle.free()  # the response is complete
+                    placed[name].add(handle.decision.worker_id)
+            sticky = all(len(workers) == 1 for workers in placed.values())
+            spread = len({next(iter(workers)) for workers in placed.values()}) == len(placed)
+            print("every conversation stayed on one worker, each on its own" if sticky and spread
+                  else f"placements: {placed}")
+            return 0 if sticky and spread else 1
+        except NoWorkerAvailable as error:
+            print(f"cannot route: {error}", file=sys.stderr)
+            return 2
+        finally:
+            for worker_id in WORKERS:
+                await slot_tracker.unregister(worker_id, MODEL)
+                await indexer.unregister(worker_id, MODEL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Route three conversations over four workers with KvRouter.")
+    parser.add_argument("--slot-tracker", default=os.environ.get("SLOT_TRACKER_URL", "http://localhost:8091"))
+    parser.add_argument("--indexer", default=os.environ.get("INDEXER_URL", "http://localhost:8090"))
+    args = parser.parse_args(argv)
+    return asyncio.run(run(args.slot_tracker, args.indexer))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One routing decision with nothing but curl (and bash arithmetic): what KvRouter does.
+#
+#   SLOT_TRACKER_URL=http://localhost:8091 INDEXER_URL=http://localhost:8090 bash examples/route_with_curl.sh
+#
+# Worker 7 already holds the first 4 blocks of the prompt (tokens 1..64, block size 16), worker 8
+# nothing; worker 7 also has a request in flight. The prompt is tokens 1..96 (6 blocks).
+# cost = overlap_score_weight * prefill_blocks + decode_blocks, the lowest wins.
+set -euo pipefail
+B=${SLOT_TRACKER_URL:-http://localhost:8091}
+I=${INDEXER_URL:-http://localhost:8090}
+J='Content-Type: application/json'
+post() { curl -sS --fail-with-body -X POST "$1" -H "$J" -d "$2"; }
+cleanup() {  # leave both services as they were, whatever happened
+  for request in req-1 other; do
+    curl -sS -X POST "$B/free" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"request_id\":\"$request\"}" >/dev/null || true
+  done
+  for worker in 7 8; do
+    curl -sS -X POST "$B/unregister" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"worker_id\":$worker}" >/dev/null || true
+    curl -sS -X POST "$I/unregister" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"instance_id\":$worker}" >/dev/null || true
+  done
+}
+trap cleanup EXIT
+
+# The prompt's hashes, as dynamo_lite.hashing computes them from token ids 1..96 (signed i64):
+# local block hashes for the indexer, chained sequence hashes for the slot tracker.
+LOCAL='[-1583300653928780152,2287610619914608821,-6316808760778579817,5453111288643762282,-1611788688006278862,72652856785317591]'
+CHAINED='[-1583300653928780152,-5980354406663771828,960926348267535642,4923844688253642376,2331915526079212067,6591812828282533523]'
+ISL=96; BLOCK=16; WEIGHT=1
+
+# 1. Register both workers with both services.
+for worker in 7 8; do
+  post "$B/register" "{\"model_name\":\"llama-3-8b\",\"worker_id\":$worker,\"block_size\":$BLOCK,\"dp_start\":0,\"dp_size\":1}" >/dev/null
+  post "$I/register" "{\"model_name\":\"llama-3-8b\",\"instance_id\":$worker,\"block_size\":$BLOCK}" >/dev/null
+done
+
+# 2. Worker 7's engine reported the first 4 blocks (its own block ids 161..164), and it serves
+#    another request (2 blocks, all prefilled).
+post "$I/events" '{"llama-3-8b:default": {"block_size": 16, "events": [{"worker_id": 7, "event": {"event_id": 0,
+  "data": {"stored": {"parent_hash": null, "blocks": [
+    {"block_hash": 161, "tokens_hash": 16863443419780771464}, {"block_hash": 162, "tokens_hash": 2287610619914608821},
+    {"block_hash": 163, "tokens_hash": 12129935312930971799}, {"block_hash": 164, "tokens_hash": 5453111288643762282}]}}}}]}}' >/dev/null
+post "$B/add" '{"model_name":"llama-3-8b","request_id":"other","worker_id":7,"dp_rank":0,"sequence_hashes":[1,2],"new_isl_tokens":32}' >/dev/null
+post "$B/prefill_complete" '{"model_name":"llama-3-8b","request_id":"other"}' >/dev/null
+
+# 3. The two reads a gateway makes per request (in parallel in a real gateway).
+overlap=$(post "$I/query_by_hash" "{\"model_name\":\"llama-3-8b\",\"block_hashes\":$LOCAL}")
+loads=$(post "$B/potential_loads" "{\"model_name\":\"llama-3-8b\",\"sequence_hashes\":$CHAINED,\"new_isl_tokens\":0}")
+echo "query_by_hash:   $overlap"
+echo "potential_loads: $loads"
+
+# 4. Cost per worker (integers, in thousandths of a block).
+best=""; best_cost=""
+for worker in 7 8; do
+  cached=$(grep -o "\"$worker\":{\"0\":[0-9]*}" <<<"$overlap" | grep -o '[0-9]*}$' | tr -d '}' || true)
+  cached=${cached:-0}
+  row=$(grep -o "{\"worker_id\":$worker,[^}]*}" <<<"$loads")
+  prefill=$(grep -o '"potential_prefill_tokens":[0-9]*' <<<"$row" | cut -d: -f2)
+  decode=$(grep -o '"potential_decode_blocks":[0-9]*' <<<"$row" | cut -d: -f2)
+  # prefill_blocks = (active prefill + prompt - cached) / block size; decode blocks as projected.
+  cost=$(( WEIGHT * (prefill + ISL - cached) * 1000 / BLOCK + decode * 1000 ))
+  echo "worker $worker: cached $cached tokens, cost = $WEIGHT * ($prefill + $ISL - $cached) / $BLOCK + $decode = $((cost / 1000)).$(printf '%03d' $((cost % 1000)))"
+  if [ -z "$best" ] || [ "$cost" -lt "$best_cost" ]; then best=$worker; best_cost=$cost; fi
+done
+echo "chosen: worker $best"
+
+# 5. Book it, then report the lifecycle; free is idempotent, so a retry is harmless.
+cached=$(grep -o "\"$best\":{\"0\":[0-9]*}" <<<"$overlap" | grep -o '[0-9]*}$' | tr -d '}' || true)
+post "$B/add" "{\"model_name\":\"llama-3-8b\",\"request_id\":\"req-1\",\"worker_id\":$best,\"dp_rank\":0,\"sequence_hashes\":$CHAINED,\"new_isl_tokens\":$(( ISL - ${cached:-0} ))}" >/dev/null
+post "$B/prefill_complete" '{"model_name":"llama-3-8b","request_id":"req-1"}' >/dev/null
+echo "loads: $(curl -sS "$B/loads?model_name=llama-3-8b")"
+post "$B/free" '{"model_name":"llama-3-8b","request_id":"req-1"}' >/dev/null
+# 6. The exit trap frees the other request and unregisters both workers.
