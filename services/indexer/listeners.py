@@ -329,14 +329,14 @@ class EngineListener:
     async def _ingest(self, seq: int, payload: bytes) -> None:
         """Decode, then apply, one batch: two turns of the event loop, each holding `turn`, so
         an HTTP request waits for at most half a batch's work."""
-        self.last_seq = seq
         async with self.turn:
             batch = self._decode(seq, payload)
-        if batch is None:
-            return
-        await asyncio.sleep(0)
-        async with self.turn:
-            self._commit(batch)
+        if batch is not None:
+            await asyncio.sleep(0)
+            async with self.turn:
+                self._commit(batch)
+        # Only now: /workers must not report a batch as applied while it waits for its turn.
+        self.last_seq = seq
 
     def _decode(self, seq: int, payload: bytes) -> DecodedBatch | None:
         sub = self.subscription
