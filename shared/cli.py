@@ -21,7 +21,7 @@ from starlette.types import ASGIApp
 from .http import Service
 from .logs import DEFAULT_TRACE_ID_HEADER, LOG_FORMATS, AccessLog
 from .logs import configure_logging as configure_logging
-from .protocol import BoundedHttpToolsProtocol
+from .protocol import DEFAULT_HEADER_TIMEOUT_SECS, BoundedHttpToolsProtocol, ConnectionCollector, ConnectionLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 ENV_PREFIX = "DYNAMO_LITE_"
@@ -45,6 +45,23 @@ def service_parser(prog: str, description: str, default_port: int) -> argparse.A
                         help="log one line per HTTP request (method, path, status, duration, client, trace id)")
     parser.add_argument("--trace-id-header", default=DEFAULT_TRACE_ID_HEADER,
                         help="request header whose value the access log records as the trace id")
+    connections = parser.add_argument_group("connections")
+    connections.add_argument(
+        "--header-timeout-secs", type=non_negative_float, default=DEFAULT_HEADER_TIMEOUT_SECS,
+        help="a request head (request line and headers) not complete this long after its first byte, "
+        "or after the connection opened, is answered 408 and the connection closed; 0: no limit",
+    )
+    connections.add_argument(
+        "--keep-alive-secs", type=positive_float, default=DEFAULT_KEEP_ALIVE_SECS,
+        help="how long an idle connection is kept open between two requests: longer than gateway "
+        "connection pools keep theirs (Go's net/http 90 s, nginx and AWS load balancers 60 s), so the "
+        "client, not the server, closes an idle connection and a request never races a close",
+    )
+    connections.add_argument(
+        "--max-connections", type=non_negative_int, default=None,
+        help="open client connections beyond which a new one is answered 503 and closed at once; "
+        "default: the open-file limit less a tenth (at least 128) kept for everything else; 0: no limit",
+    )
     return parser
 
 
@@ -101,6 +118,31 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
     return port
+
+
+DEFAULT_KEEP_ALIVE_SECS = 95.0
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def default_max_connections(open_files: int) -> int:
+    """Connections allowed with `open_files` descriptors: a tenth (at least 128) is kept for
+    everything else a process opens (engine sockets, snapshots, logs)."""
+    if open_files <= 0:  # RLIM_INFINITY
+        return 0
+    return max(64, open_files - max(128, open_files // 10))
 
 
 def positive_float(text: str) -> float:
@@ -168,10 +210,17 @@ def serve(app: ASGIApp, args: argparse.Namespace, *, gc_thresholds: GcThresholds
     if args.access_log and isinstance(app, Service):
         app.access_log = AccessLog(args.trace_id_header)  # ours, in place of uvicorn's
     tune_garbage_collector(gc_thresholds)
-    raise_open_file_limit()
+    open_files = raise_open_file_limit()
+    max_connections = args.max_connections
+    if max_connections is None:
+        max_connections = default_max_connections(open_files)
+    limits = ConnectionLimits(args.header_timeout_secs, max_connections)
+    if isinstance(app, Service):
+        app.metrics_registry.register(ConnectionCollector(limits))
     uvicorn.run(
         app,
-        http=BoundedHttpToolsProtocol,  # httptools, with a bound on request heads
+        http=BoundedHttpToolsProtocol.with_limits(limits),  # httptools, bounded heads and connections
+        timeout_keep_alive=args.keep_alive_secs,
         host=args.host,
         port=args.port,
         log_config=None,  # keep the root logger configured by configure_logging

@@ -71,3 +71,12 @@ def test_serves_then_stops_cleanly(stop_signal: signal.Signals) -> None:
         output, _ = process.communicate(timeout=20)
     assert process.returncode == 0, output
     assert "expired 1 stale requests" in output
+
+
+def test_default_connection_cap_keeps_a_tenth_of_the_open_files_for_everything_else() -> None:
+    from dynamo_lite.cli import default_max_connections
+
+    assert default_max_connections(1024) == 896  # systemd's default soft limit: 128 kept
+    assert default_max_connections(20_000) == 18_000
+    assert default_max_connections(100) == 64  # never below 64
+    assert default_max_connections(-1) == 0  # RLIM_INFINITY: no cap

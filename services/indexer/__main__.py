@@ -9,6 +9,8 @@ import sys
 from dynamo_lite.cli import (
     YOUNG_ONLY_GC_THRESHOLDS,
     configure_logging,
+    non_negative_float,
+    non_negative_int,
     parse_args,
     positive_float,
     serve,
@@ -20,12 +22,6 @@ from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Subscription, validate_endpo
 
 DEFAULT_PORT = 8090
 
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
 
 
 def parse_workers(text: str, *, model_name: str, tenant_id: str, block_size: int | None) -> list[Subscription]:
@@ -69,12 +65,6 @@ def parse_workers(text: str, *, model_name: str, tenant_id: str, block_size: int
     return subscriptions
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
-
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -103,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--max-blocks",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         help="per (model, tenant) partition: keep at most this many device (worker, block) pairs, and "
         "this many blocks per lower tier, evicting the least recently used; 0 = unlimited",
@@ -129,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--full-gc-interval-secs",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=300.0,
         help="seconds between two full garbage collections (0: never). Between them only young "
         "objects are collected, so no request waits for a scan of the whole index; a full one "
