@@ -45,7 +45,7 @@ import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -441,25 +441,19 @@ class EnginePublisher:
     def wait_for_subscribers(self, count: int = 1, timeout: float = 10.0) -> None:
         """Block until `count` subscriptions (net of unsubscriptions) have arrived, so whatever
         is published next reaches those subscribers."""
-        deadline = time.monotonic() + timeout
-        while self.subscribers < count:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{self!r}: {self.subscribers} of {count} subscribers after {timeout} s")
-            if self._pub.poll(int(min(remaining, 0.2) * 1000) + 1, zmq.POLLIN):
-                frame = self._pub.recv()
-                if frame[:1] == b"\x01":
-                    self.subscribers += 1
-                elif frame[:1] == b"\x00":
-                    self.subscribers -= 1
+        self._follow_subscriptions(lambda: self.subscribers >= count, timeout, f"{count} subscribers")
 
     def wait_for_unsubscribed(self, timeout: float = 10.0) -> None:
         """Block until every subscriber has gone (unsubscribed, or closed its socket)."""
+        self._follow_subscriptions(lambda: self.subscribers <= 0, timeout, "no subscriber")
+
+    def _follow_subscriptions(self, done: Callable[[], bool], timeout: float, wanted: str) -> None:
+        """Count the (un)subscription frames XPUB_VERBOSE passes on until `done()`."""
         deadline = time.monotonic() + timeout
-        while self.subscribers > 0:
+        while not done():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{self!r}: still {self.subscribers} subscribers after {timeout} s")
+                raise TimeoutError(f"{self!r}: {self.subscribers} subscribers, not {wanted}, after {timeout} s")
             if self._pub.poll(int(min(remaining, 0.2) * 1000) + 1, zmq.POLLIN):
                 frame = self._pub.recv()
                 if frame[:1] == b"\x01":
