@@ -37,7 +37,6 @@ Such events are counted as `ignored` by reason, never silently. A batch that doe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Optional, Union
 
@@ -175,7 +174,6 @@ _positional_event = msgspec.msgpack.Decoder(
 _map_event = msgspec.msgpack.Decoder(Union[_MapStored, _MapRemoved, _MapCleared, _MapIgnored])
 
 _Stored = Union[_PositionalStored, _MapStored]
-_Removed = Union[_PositionalRemoved, _MapRemoved]
 
 
 @dataclass(slots=True)

@@ -103,12 +103,6 @@ class ListenerCounts:
     replay_failures: int = 0  # requests the engine did not finish answering in time
     restarts: int = 0  # engine restarts detected
 
-    def add(self, other: ListenerCounts) -> None:
-        for name in ("batches", "events", "rejected", "decode_failures", "gaps", "lost_batches",
-                     "replays", "replayed_batches", "replay_failures", "restarts"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.ignored.update(other.ignored)
-
 
 @dataclass(frozen=True, slots=True)
 class Subscription:
@@ -459,9 +453,6 @@ class Listeners:
 
     def get(self, key: WorkerKey) -> EngineListener | None:
         return self._listeners.get(key)
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(list(self._listeners.values()))
 
     def __len__(self) -> int:
         return len(self._listeners)
