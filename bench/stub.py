@@ -1,27 +1,25 @@
-"""The ceiling of our stack: stock Starlette + uvicorn + orjson, the same routes, no logic.
+"""The ceiling of our serving path: the native server and `Service`, the same routes, no logic.
 
     python -m bench.stub --port P [--log-level warning]
 
-Every benchmarked route of both services is a plain Starlette `Route` whose handler reads the
-body, parses it with orjson (the work any JSON service must do) and answers a canned response.
-The suite sets each canned response to the very bytes our service answered for the same
-request (`POST /__bench__/canned`), so payload sizes are equal in both directions.
-It is served by `dynamo_lite.cli.serve`, exactly as our services are (same uvicorn settings,
-same garbage-collector tuning).
+Every benchmarked route of both services is an endpoint that decodes its JSON body with orjson
+(the work any JSON service must do) and answers a canned response. The suite sets each canned
+response to the very bytes our service answered for the same request
+(`POST /__bench__/canned`), so payload sizes are equal in both directions. It is served by
+`dynamo_lite.cli.serve`, exactly as our services are (same server, limits and garbage-collector
+tuning): ours ÷ stub is what the services' own request work (validation, core, encoding) costs.
 """
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
+from typing import Any
 
 import orjson
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import Route
 
 from dynamo_lite.cli import configure_logging, serve, service_parser
+from dynamo_lite.http import Answer, DirectEndpoint, Service, health_route
+from dynamo_lite.validation import decode_json
 
 POST_ROUTES = (
     "/potential_loads", "/add", "/prefill_complete", "/free",  # slot tracker
@@ -29,48 +27,51 @@ POST_ROUTES = (
 )
 GET_ROUTES = ("/loads",)
 CANNED_PATH = "/__bench__/canned"
+_JSON = b"application/json"
+_MAX_BODY = 8 * 1024 * 1024
 
 
-@dataclass
-class Canned:
-    status: int
-    body: bytes
+class CannedEndpoint(DirectEndpoint):
+    def __init__(self, *, takes_body: bool) -> None:
+        self.max_body = _MAX_BODY if takes_body else 0
+        self.answer_bytes: Answer = (200, b'{"status":"ok"}', _JSON)
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        if self.max_body:
+            decode_json(body)
+        return self.answer_bytes
 
 
-def create_app() -> Starlette:
-    canned: dict[str, Canned] = {path: Canned(200, b'{"status":"ok"}') for path in (*POST_ROUTES, *GET_ROUTES)}
+class SetCanned(DirectEndpoint):
+    """Body: {"path": "/add", "status": 201, "body": "<the response text>"}."""
 
-    async def post_route(request: Request) -> Response:
-        orjson.loads(await request.body())
-        answer = canned[request.url.path]
-        return Response(answer.body, answer.status, media_type="application/json")
+    max_body = _MAX_BODY
 
-    async def get_route(request: Request) -> Response:
-        answer = canned[request.url.path]
-        return Response(answer.body, answer.status, media_type="application/json")
+    def __init__(self, endpoints: dict[str, CannedEndpoint]) -> None:
+        self.endpoints = endpoints
 
-    async def health(request: Request) -> Response:
-        return Response(b"", 200)
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        document: Any = orjson.loads(body)
+        self.endpoints[document["path"]].answer_bytes = (int(document["status"]), document["body"].encode(), _JSON)
+        return 204, b"", None
 
-    async def set_canned(request: Request) -> Response:
-        """Body: {"path": "/add", "status": 201, "body": "<the response text>"}."""
-        document = orjson.loads(await request.body())
-        canned[document["path"]] = Canned(int(document["status"]), document["body"].encode())
-        return Response(b"", 204)
 
-    routes = [Route("/health", health, methods=["GET"])]
-    routes += [Route(path, post_route, methods=["POST"]) for path in POST_ROUTES]
-    routes += [Route(path, get_route, methods=["GET"]) for path in GET_ROUTES]
-    routes.append(Route(CANNED_PATH, set_canned, methods=["POST"]))  # last: never matched first
-    return Starlette(routes=routes)
+def create_app() -> Service:
+    endpoints = {path: CannedEndpoint(takes_body=True) for path in POST_ROUTES}
+    endpoints.update({path: CannedEndpoint(takes_body=False) for path in GET_ROUTES})
+    routes = [health_route()]
+    routes += [Route(path, endpoints[path], methods=["POST"]) for path in POST_ROUTES]
+    routes += [Route(path, endpoints[path], methods=["GET"]) for path in GET_ROUTES]
+    routes.append(Route(CANNED_PATH, SetCanned(endpoints), methods=["POST"]))
+    return Service(routes=routes)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = service_parser("python -m bench.stub", "Bare Starlette stub with canned answers.", 8099)
+    parser = service_parser("python -m bench.stub", "Our serving path with canned answers and no logic.", 8099)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     serve(create_app(), args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

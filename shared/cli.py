@@ -10,18 +10,14 @@ import argparse
 import gc
 import os
 import resource
-import signal
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import uvicorn
-from starlette.types import ASGIApp
 
 from .http import Service
 from .logs import DEFAULT_TRACE_ID_HEADER, LOG_FORMATS, AccessLog
 from .logs import configure_logging as configure_logging
-from .protocol import DEFAULT_HEADER_TIMEOUT_SECS, BoundedHttpToolsProtocol, ConnectionCollector, ConnectionLimits
+from .server import DEFAULT_HEADER_TIMEOUT_SECS, DEFAULT_KEEP_ALIVE_SECS, ConnectionCollector, ConnectionLimits, run
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 ENV_PREFIX = "DYNAMO_LITE_"
@@ -120,8 +116,6 @@ def _port(text: str) -> int:
     return port
 
 
-DEFAULT_KEEP_ALIVE_SECS = 95.0
-
 
 def non_negative_float(text: str) -> float:
     value = float(text)
@@ -194,41 +188,16 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def _exit_cleanly(signum: int, frame: object) -> None:
-    sys.exit(0)
-
-
-def serve(app: ASGIApp, args: argparse.Namespace, *, gc_thresholds: GcThresholds = DEFAULT_GC_THRESHOLDS) -> None:
-    """Run until SIGINT/SIGTERM; uvicorn stops accepting, drains in-flight requests (up to
-    10 s), then runs the app's lifespan shutdown (the indexer's final snapshot) before exiting.
-
-    After its graceful shutdown uvicorn re-raises the signal it caught, to the handlers that
-    were in place before it started: these make that a normal exit with status 0.
-    """
-    signal.signal(signal.SIGINT, _exit_cleanly)
-    signal.signal(signal.SIGTERM, _exit_cleanly)
-    if args.access_log and isinstance(app, Service):
-        app.access_log = AccessLog(args.trace_id_header)  # ours, in place of uvicorn's
+def serve(app: Service, args: argparse.Namespace, *, gc_thresholds: GcThresholds = DEFAULT_GC_THRESHOLDS) -> None:
+    """Run until SIGINT/SIGTERM on the native server (`dynamo_lite.server`): it stops accepting,
+    answers the requests in flight (up to 10 s), then runs the app's lifespan shutdown (the
+    indexer's final snapshot) and returns, so the process exits with status 0."""
+    access_log = AccessLog(args.trace_id_header) if args.access_log else None
     tune_garbage_collector(gc_thresholds)
     open_files = raise_open_file_limit()
     max_connections = args.max_connections
     if max_connections is None:
         max_connections = default_max_connections(open_files)
-    limits = ConnectionLimits(args.header_timeout_secs, max_connections)
-    if isinstance(app, Service):
-        app.metrics_registry.register(ConnectionCollector(limits))
-    uvicorn.run(
-        app,
-        http=BoundedHttpToolsProtocol.with_limits(limits),  # httptools, bounded heads and connections
-        timeout_keep_alive=args.keep_alive_secs,
-        host=args.host,
-        port=args.port,
-        log_config=None,  # keep the root logger configured by configure_logging
-        log_level=args.log_level,
-        access_log=args.access_log and not isinstance(app, Service),
-        server_header=False,
-        # No X-Forwarded-* rewriting: the services take no decision on the client's address,
-        # and the middleware is one more ASGI layer on every request.
-        proxy_headers=False,
-        timeout_graceful_shutdown=10,
-    )
+    limits = ConnectionLimits(args.header_timeout_secs, max_connections, args.keep_alive_secs)
+    app.metrics_registry.register(ConnectionCollector(limits))
+    run(app, args.host, args.port, limits, access_log)

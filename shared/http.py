@@ -18,10 +18,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import inspect
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from time import perf_counter
 from typing import Any, Union
@@ -45,6 +44,7 @@ from .errors import (
     UnsupportedMediaType,
 )
 from .logs import AccessLog
+from .validation import RequestBody, decode_json, decoder
 from .metrics import DISCONNECTED, UNMATCHED_ROUTE, RequestMetrics, RouteSeries, new_registry
 
 logger = logging.getLogger("dynamo_lite.http")
@@ -53,8 +53,8 @@ DEFAULT_MAX_BODY = 2 * 1024 * 1024
 
 JsonPayload = Any
 HandlerResult = tuple[int, JsonPayload]
-BodyHandler = Callable[[Any], Union[HandlerResult, Awaitable[HandlerResult]]]
-QueryHandler = Callable[["QueryParams"], Union[HandlerResult, Awaitable[HandlerResult]]]
+BodyHandler = Callable[[Any], HandlerResult]
+QueryHandler = Callable[["QueryParams"], HandlerResult]
 
 _JSON_HEADERS = b"application/json"
 
@@ -110,24 +110,38 @@ def is_json_content_type(value: bytes | None) -> bool:
     """`application/json` or any `application/*+json`, parameters allowed, case-insensitive."""
     if not value:
         return False
+    if value == _JSON_HEADERS:
+        return True
     media_type = value.split(b";", 1)[0].strip().lower()
     if media_type == b"application/json":
         return True
     return media_type.startswith(b"application/") and media_type.endswith(b"+json")
 
 
-async def read_json_body(scope: Scope, receive: Receive, max_body: int) -> Any:
-    """Content type, then size, then syntax: the order in which Dynamo's services reject bodies."""
-    if not is_json_content_type(_header(scope, b"content-type")):
-        raise UnsupportedMediaType("Expected request with `Content-Type: application/json`")
-    declared = _header(scope, b"content-length")
-    if declared is not None:
+def body_refusal(content_type: bytes | None, content_length: bytes | None, max_body: int) -> ServiceError | None:
+    """Why a body cannot be taken, judged from the head alone (content type, then declared
+    size: the order in which Dynamo's services reject bodies), or None."""
+    if not is_json_content_type(content_type):
+        return UnsupportedMediaType("Expected request with `Content-Type: application/json`")
+    if content_length is not None:
         try:
-            declared_length = int(declared)
+            declared_length = int(content_length)
         except ValueError:
-            raise MalformedRequest("invalid Content-Length header") from None
+            return MalformedRequest("invalid Content-Length header")
         if declared_length > max_body:
-            raise PayloadTooLarge(f"request body exceeds the limit of {max_body} bytes")
+            return too_large(max_body)
+    return None
+
+
+def too_large(max_body: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body exceeds the limit of {max_body} bytes")
+
+
+async def read_body(scope: Scope, receive: Receive, max_body: int) -> bytes:
+    """The bounded body of an ASGI request (the native server reads its own)."""
+    refusal = body_refusal(_header(scope, b"content-type"), _header(scope, b"content-length"), max_body)
+    if refusal is not None:
+        raise refusal
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -138,15 +152,11 @@ async def read_json_body(scope: Scope, receive: Receive, max_body: int) -> Any:
         if chunk:
             size += len(chunk)
             if size > max_body:
-                raise PayloadTooLarge(f"request body exceeds the limit of {max_body} bytes")
+                raise too_large(max_body)
             chunks.append(chunk)
         if not message.get("more_body", False):
             break
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise MalformedRequest(f"Failed to parse the request body as JSON: {exc}") from None
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class QueryParams(Mapping[str, str]):
@@ -176,81 +186,90 @@ class QueryParams(Mapping[str, str]):
         return len(self._values)
 
 
-async def _call(handler: Callable[[Any], Any], argument: Any, is_async: bool) -> HandlerResult:
-    if is_async:
-        return await handler(argument)  # type: ignore[no-any-return]
-    return handler(argument)  # type: ignore[no-any-return]
+# What an endpoint answers: status, body, and the content type (None: no content-type header).
+Answer = tuple[int, bytes, Union[bytes, None]]
 
 
-async def _answer_failure(send: Send, exc: BaseException, head: bool) -> int:
+def failure_answer(exc: BaseException) -> Answer:
     if isinstance(exc, ServiceError):
-        await send_bytes(send, exc.status, error_body(exc.message), head=head)
-        return exc.status
-    logger.exception("unhandled error while serving a request")
-    await send_bytes(send, 500, error_body("internal error; see the service log"), head=head)
-    return 500
+        return exc.status, error_body(exc.message), _JSON_HEADERS
+    logger.error("unhandled error while serving a request", exc_info=exc)
+    return 500, error_body("internal error; see the service log"), _JSON_HEADERS
 
 
 class DirectEndpoint(abc.ABC):
-    """An ASGI endpoint that answers every request itself (failures included) and returns the
-    status it sent: `Service` dispatches to it directly and records that status."""
+    """An endpoint that answers every request itself, failures included, synchronously.
+
+    `respond(query_string, body)` is the whole request: the native server (`dynamo_lite.server`)
+    calls it straight from its protocol callbacks; `__call__` is the same endpoint for ASGI
+    servers and the test client. A non-zero `max_body` means the route takes a JSON body of at
+    most that many bytes, which the transport reads and bounds before `respond` sees it.
+    """
+
+    max_body: int = 0
 
     @abc.abstractmethod
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int: ...
+    def respond(self, query_string: bytes, body: bytes) -> Answer: ...
 
-
-class JsonBodyEndpoint(DirectEndpoint):
-    """ASGI endpoint of a POST route: bounded JSON body in, `handler(body) -> (status, payload)`."""
-
-    def __init__(self, handler: BodyHandler, *, max_body: int = DEFAULT_MAX_BODY) -> None:
-        self.handler = handler
-        self.max_body = max_body
-        self._is_async = inspect.iscoroutinefunction(handler)
+    def answer(self, query_string: bytes, body: bytes) -> Answer:
+        try:
+            return self.respond(query_string, body)
+        except Exception as exc:  # noqa: BLE001 - every failure must still be a JSON answer
+            return failure_answer(exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
-        try:
-            body = await read_json_body(scope, receive, self.max_body)
-            status, payload = await _call(self.handler, body, self._is_async)
-        except ClientDisconnected:
-            return DISCONNECTED
-        except Exception as exc:  # noqa: BLE001 - every failure must still be a JSON answer
-            return await _answer_failure(send, exc, head=False)
-        await send_bytes(send, status, encode(payload))
+        body = b""
+        if self.max_body:
+            try:
+                body = await read_body(scope, receive, self.max_body)
+            except ClientDisconnected:
+                return DISCONNECTED
+            except ServiceError as exc:
+                status, payload, content_type = failure_answer(exc)
+                await send_bytes(send, status, payload, content_type=content_type)
+                return status
+        status, payload, content_type = self.answer(scope.get("query_string", b""), body)
+        await send_bytes(send, status, payload, content_type=content_type, head=scope["method"] == "HEAD")
         return status
 
 
+class JsonBodyEndpoint(DirectEndpoint):
+    """A POST route: bounded JSON body in, `handler(read(body)) -> (status, payload)`; `read`
+    is a `RequestBody` type's decoder, or plain JSON decoding."""
+
+    def __init__(
+        self, handler: BodyHandler, *, read: Callable[[bytes], Any] = decode_json, max_body: int = DEFAULT_MAX_BODY
+    ) -> None:
+        self.handler = handler
+        self.read = read
+        self.max_body = max_body
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        status, payload = self.handler(self.read(body))
+        return status, encode(payload), _JSON_HEADERS
+
+
 class JsonQueryEndpoint(DirectEndpoint):
-    """ASGI endpoint of a GET route: query parameters in, `handler(params) -> (status, payload)`."""
+    """A GET route: query parameters in, `handler(params) -> (status, payload)`."""
 
     def __init__(self, handler: QueryHandler, *, parameters: frozenset[str] = frozenset()) -> None:
         self.handler = handler
         self.parameters = parameters
-        self._is_async = inspect.iscoroutinefunction(handler)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
-        head = scope["method"] == "HEAD"
-        try:
-            params = QueryParams(scope.get("query_string", b""), self.parameters)
-            status, payload = await _call(self.handler, params, self._is_async)
-        except Exception as exc:  # noqa: BLE001
-            return await _answer_failure(send, exc, head=head)
-        await send_bytes(send, status, encode(payload), head=head)
-        return status
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        status, payload = self.handler(QueryParams(query_string, self.parameters))
+        return status, encode(payload), _JSON_HEADERS
 
 
 class StaticEndpoint(DirectEndpoint):
-    """ASGI endpoint answering GET and HEAD with fixed bytes (a class: Starlette treats plain
-    functions as request/response handlers)."""
+    """GET and HEAD answered with fixed bytes (a class: Starlette treats plain functions as
+    request/response handlers)."""
 
     def __init__(self, body: bytes, content_type: bytes | None = _JSON_HEADERS) -> None:
-        self.body = body
-        self.content_type = content_type
+        self._answer: Answer = (200, body, content_type)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
-        await send_bytes(
-            send, 200, self.body, content_type=self.content_type, head=scope["method"] == "HEAD"
-        )
-        return 200
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        return self._answer
 
 
 # The text format `generate_latest` writes; every Prometheus version reads it under this type
@@ -264,12 +283,8 @@ class MetricsEndpoint(DirectEndpoint):
     def __init__(self, registry: Any) -> None:
         self.registry = registry
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
-        await send_bytes(
-            send, 200, generate_latest(self.registry), content_type=METRICS_CONTENT_TYPE,
-            head=scope["method"] == "HEAD",
-        )
-        return 200
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        return 200, generate_latest(self.registry), METRICS_CONTENT_TYPE
 
 
 READY_BODY = encode({"status": "ready"})
@@ -282,14 +297,19 @@ class ReadyEndpoint(DirectEndpoint):
     def __init__(self, state: Any) -> None:
         self.state = state
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
-        status, body = (200, READY_BODY) if getattr(self.state, "ready", False) else (503, NOT_READY_BODY)
-        await send_bytes(send, status, body, head=scope["method"] == "HEAD")
-        return status
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        if getattr(self.state, "ready", False):
+            return 200, READY_BODY, _JSON_HEADERS
+        return 503, NOT_READY_BODY, _JSON_HEADERS
 
 
-def post(path: str, handler: BodyHandler, *, max_body: int = DEFAULT_MAX_BODY) -> Route:
-    return Route(path, JsonBodyEndpoint(handler, max_body=max_body), methods=["POST"])
+def post(
+    path: str, handler: BodyHandler, *, request_type: type[RequestBody] | None = None, max_body: int = DEFAULT_MAX_BODY
+) -> Route:
+    """A POST route; with `request_type`, the handler gets that type (see `RequestBody`),
+    otherwise the decoded JSON document."""
+    read = decoder(request_type) if request_type is not None else decode_json
+    return Route(path, JsonBodyEndpoint(handler, read=read, max_body=max_body), methods=["POST"])
 
 
 def get(path: str, handler: QueryHandler, *, parameters: frozenset[str] = frozenset()) -> Route:
@@ -376,7 +396,13 @@ class Service(Starlette):
             for route in self.routes
             if isinstance(route, Route) and isinstance(route.endpoint, DirectEndpoint)
         }
+        self.unmatched_route = self.request_metrics.route(UNMATCHED_ROUTE)
         self.access_log: AccessLog | None = None
+
+    def endpoint(self, path: str) -> tuple[frozenset[str], DirectEndpoint, RouteSeries] | None:
+        """The methods, endpoint and metric series of `path`, for servers that route themselves
+        (`dynamo_lite.server`); None for a path that is no route (a 404)."""
+        return self._direct.get(path)
 
     def _readiness(self, lifespan: Lifespan | None) -> Lifespan:
         @contextlib.asynccontextmanager
@@ -423,7 +449,7 @@ class Service(Starlette):
     def _record(self, scope: Scope, route: RouteSeries, status: int, seconds: float) -> None:
         route.record(status, seconds)
         if self.access_log is not None:
-            self.access_log(scope, status, seconds)
+            self.access_log.from_scope(scope, status, seconds)
 
 
 __all__ = [

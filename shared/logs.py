@@ -45,7 +45,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, log_format: str = "text") -> None:
-    """Configure the root logger (uvicorn's loggers propagate to it) once per process."""
+    """Configure the root logger (every library's loggers propagate to it) once per process."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
@@ -61,26 +61,32 @@ class AccessLog:
     def __init__(self, trace_id_header: str = DEFAULT_TRACE_ID_HEADER) -> None:
         self.trace_id_header = trace_id_header.lower().encode("latin-1")
 
-    def __call__(self, scope: Scope, status: int, seconds: float) -> None:
+    def from_scope(self, scope: Scope, status: int, seconds: float) -> None:
         trace_id = None
         for key, value in scope["headers"]:
             if key == self.trace_id_header:
-                trace_id = value.decode("latin-1")
+                trace_id = value
                 break
         client = scope.get("client")
-        client_text = f"{client[0]}:{client[1]}" if client else None
+        self(f"{client[0]}:{client[1]}" if client else None, scope["method"], scope["path"], status, seconds,
+             trace_id)
+
+    def __call__(
+        self, client: str | None, method: str, path: str, status: int, seconds: float, trace_id: bytes | None
+    ) -> None:
+        trace_text = trace_id.decode("latin-1") if trace_id is not None else None
         duration_ms = round(seconds * 1000, 3)
         fields = {
-            "method": scope["method"],
-            "path": scope["path"],
+            "method": method,
+            "path": path,
             "status": status,
             "duration_ms": duration_ms,
-            "client": client_text,
-            "trace_id": trace_id,
+            "client": client,
+            "trace_id": trace_text,
         }
         access_logger.info(
             '%s "%s %s" %d %.3fms trace_id=%s',
-            client_text or "-", scope["method"], scope["path"], status, duration_ms, trace_id or "-",
+            client or "-", method, path, status, duration_ms, trace_text or "-",
             extra={"fields": fields},
         )
 

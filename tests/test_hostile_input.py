@@ -1,4 +1,4 @@
-"""Hostile input against both services running as real uvicorn processes.
+"""Hostile input against both services running as real processes (the native server).
 
 Every class of bad input (bodies at and over the size limits, deep nesting, huge arrays,
 numbers JSON allows but the API does not, odd strings as ids, trailing garbage, wrong content
@@ -27,7 +27,7 @@ from reference_server import ServerURL, free_port, running_server
 
 from dynamo_lite.http import DEFAULT_MAX_BODY
 from dynamo_lite.indexer.app import LARGE_BODY
-from dynamo_lite.protocol import MAX_REQUEST_HEAD
+from dynamo_lite.server import MAX_REQUEST_HEAD
 
 STALL = 30.0  # seconds without an answer that count as a stalled process
 MODEL = "hostile"
@@ -362,7 +362,7 @@ def test_protocol_garbage_closes_the_connection_and_nothing_else(slot_tracker: S
                     b"POST /add HTTP/1.1\r\nHost: t\r\nContent-Length: abc\r\n\r\n",
                     b"POST /add HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"):
         answer = exchange(slot_tracker, garbage)
-        assert answer.status == 400  # uvicorn's own plain-text answer: the app never sees these
+        assert answer.status == 400  # the server's own answer: the app never sees these
     assert_healthy(slot_tracker)
 
 

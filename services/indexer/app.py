@@ -13,14 +13,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
-from starlette.applications import Starlette
+from msgspec import UNSET, UnsetType
 
 from dynamo_lite import http, validation
 from dynamo_lite.errors import InvalidArgument
 from dynamo_lite.http import HandlerResult, QueryParams
-from dynamo_lite.validation import expect_object
+from dynamo_lite.validation import I64, U32, RequestBody, expect_object, tenant_of
 
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
 from .metrics import IndexerCollector, ListenerCollector
@@ -36,6 +36,53 @@ LARGE_BODY = 8 * 1024 * 1024  # /events and /query carry whole prompts or event 
 
 OK = {"status": "ok"}
 _FILTERS = frozenset({"model_name", "tenant_id", "routing_group"})
+
+
+Tenant = Union[str, UnsetType]
+
+
+# --- request types of the query routes (see `dynamo_lite.validation.RequestBody`) -------------
+
+
+class QueryByHashRequest(RequestBody):
+    model_name: str
+    block_hashes: list[I64]
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+    cache_salt: Any = None
+
+    def in_range(self) -> bool:
+        return self.cache_salt is None
+
+    @classmethod
+    def from_json(cls, body: Any) -> QueryByHashRequest:
+        body = expect_object(body, "QueryByHashRequest")
+        if body.get("cache_salt") is not None:
+            raise InvalidArgument(
+                "cache_salt is not accepted by /query_by_hash; block_hashes must already include "
+                "the intended cache salt"
+            )
+        model_name = validation.string(body, "model_name")
+        tenant_id = validation.tenant(body)
+        return cls(model_name, validation.i64_list(body, "block_hashes"), tenant_id)
+
+
+class QueryRequest(RequestBody):
+    model_name: str
+    token_ids: list[U32]
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+    lora_name: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, body: Any) -> QueryRequest:
+        body = expect_object(body, "QueryRequest")
+        model_name = validation.string(body, "model_name")
+        tenant_id = validation.tenant(body)
+        return cls(model_name, validation.u32_list(body, "token_ids"), tenant_id,
+                   lora_name=validation.optional_string(body, "lora_name"),
+                   cache_salt=validation.optional_string(body, "cache_salt"))
 
 
 class IndexerRoutes:
@@ -108,27 +155,14 @@ class IndexerRoutes:
     def events(self, body: Any) -> HandlerResult:
         return 200, self.indexer.apply_events(parse_events_document(body))
 
-    def query_by_hash(self, body: Any) -> HandlerResult:
-        body = expect_object(body, "QueryByHashRequest")
-        if body.get("cache_salt") is not None:
-            raise InvalidArgument(
-                "cache_salt is not accepted by /query_by_hash; block_hashes must already include "
-                "the intended cache salt"
-            )
-        return 200, self.indexer.query(
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-            validation.i64_list(body, "block_hashes"),
-        )
+    def query_by_hash(self, request: QueryByHashRequest) -> HandlerResult:
+        return 200, self.indexer.query(request.model_name, tenant_of(request.tenant_id, request.routing_group),
+                                       request.block_hashes)
 
-    def query(self, body: Any) -> HandlerResult:
-        body = expect_object(body, "QueryRequest")
+    def query(self, request: QueryRequest) -> HandlerResult:
         return 200, self.indexer.query_tokens(
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-            validation.u32_list(body, "token_ids"),
-            lora_name=validation.optional_string(body, "lora_name"),
-            cache_salt=validation.optional_string(body, "cache_salt"),
+            request.model_name, tenant_of(request.tenant_id, request.routing_group), request.token_ids,
+            lora_name=request.lora_name, cache_salt=request.cache_salt,
         )
 
     def dump(self, params: QueryParams) -> HandlerResult:
@@ -190,9 +224,9 @@ def create_app(
     workers: list[Subscription] | None = None,
     replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS,
     full_gc_interval_secs: float = 0.0,
-) -> Starlette:
+) -> http.Service:
     """The indexer app. Start-up loads the `snapshot` file (when given), then recovers from the
-    first reachable of `peers`, before the server accepts connections (uvicorn opens the port
+    first reachable of `peers`, before the server accepts connections (the server opens the port
     after the lifespan starts), and subscribes to the engines of `workers` (`--workers`). While
     serving, the snapshot is rewritten every `snapshot_interval_secs`, and once more at
     shutdown, after the requests in flight and after every engine listener has closed."""
@@ -203,7 +237,7 @@ def create_app(
     snapshots = Snapshots(indexer, snapshot, snapshot_interval_secs, ignore_bad=ignore_bad_snapshot) if snapshot else None
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: http.Service) -> AsyncIterator[None]:
         if snapshots is not None:
             snapshots.restore()
         await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
@@ -236,8 +270,8 @@ def create_app(
             http.post("/unregister", routes.unregister),
             http.get("/workers", routes.workers, parameters=_FILTERS),
             http.post("/events", routes.events, max_body=LARGE_BODY),
-            http.post("/query_by_hash", routes.query_by_hash),
-            http.post("/query", routes.query, max_body=LARGE_BODY),
+            http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest),
+            http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY),
             http.get("/dump", routes.dump),
             http.get("/peers", routes.list_peers),
             http.post("/register_peer", routes.register_peer),

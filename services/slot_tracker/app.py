@@ -11,13 +11,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
-from starlette.applications import Starlette
+from msgspec import UNSET, UnsetType
 
 from dynamo_lite import http, validation
 from dynamo_lite.http import HandlerResult, QueryParams
-from dynamo_lite.validation import expect_object
+from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
 
 from .core import SlotTracker
 from .metrics import SlotTrackerCollector
@@ -30,6 +30,112 @@ DEFAULT_SWEEP_INTERVAL_SECS = 1.0
 OK = {"status": "ok"}
 _FILTERS = frozenset({"model_name", "tenant_id", "routing_group"})
 
+Tenant = Union[str, UnsetType]
+
+
+# --- request types: the schema of each POST body (see `dynamo_lite.validation.RequestBody`) ----
+# Fields are declared in the order Dynamo checks them, which `from_json` follows, so the first
+# problem a body has is the one reported.
+
+
+class RegisterRequest(RequestBody):
+    worker_id: U64
+    model_name: str
+    block_size: U32
+    dp_start: U32
+    dp_size: U32
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+
+    def in_range(self) -> bool:
+        return is_u64(self.worker_id)
+
+    @classmethod
+    def from_json(cls, body: Any) -> RegisterRequest:
+        body = expect_object(body, "RegisterRequest")
+        worker_id = validation.u64(body, "worker_id")
+        model_name = validation.string(body, "model_name")
+        tenant_id = validation.tenant(body)
+        return cls(worker_id, model_name, validation.u32(body, "block_size"), validation.u32(body, "dp_start"),
+                   validation.u32(body, "dp_size"), tenant_id)
+
+
+class UnregisterRequest(RequestBody):
+    worker_id: U64
+    model_name: str
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+
+    def in_range(self) -> bool:
+        return is_u64(self.worker_id)
+
+    @classmethod
+    def from_json(cls, body: Any) -> UnregisterRequest:
+        body = expect_object(body, "UnregisterRequest")
+        return cls(validation.u64(body, "worker_id"), validation.string(body, "model_name"), validation.tenant(body))
+
+
+class AddRequest(RequestBody):
+    model_name: str
+    request_id: str
+    worker_id: U64
+    dp_rank: U32
+    sequence_hashes: list[I64]
+    new_isl_tokens: U64 = 0
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+
+    def in_range(self) -> bool:
+        return is_u64(self.worker_id) and is_u64(self.new_isl_tokens)
+
+    @classmethod
+    def from_json(cls, body: Any) -> AddRequest:
+        body = expect_object(body, "AddRequest")
+        model_name = validation.string(body, "model_name")
+        tenant_id = validation.tenant(body)
+        return cls(model_name, validation.string(body, "request_id"), validation.u64(body, "worker_id"),
+                   validation.u32(body, "dp_rank"), validation.i64_list(body, "sequence_hashes"),
+                   validation.u64(body, "new_isl_tokens", 0), tenant_id)
+
+
+class RequestIdRequest(RequestBody):
+    """`/prefill_complete` and `/free`."""
+
+    model_name: str
+    request_id: str
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+
+    @classmethod
+    def from_json(cls, body: Any) -> RequestIdRequest:
+        body = expect_object(body, "RequestIdRequest")
+        model_name = validation.string(body, "model_name")
+        tenant_id = validation.tenant(body)
+        return cls(model_name, validation.string(body, "request_id"), tenant_id)
+
+
+class PotentialLoadsRequest(RequestBody):
+    model_name: str
+    sequence_hashes: list[I64]
+    new_isl_tokens: U64 = 0
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+
+    def in_range(self) -> bool:
+        return is_u64(self.new_isl_tokens)
+
+    @classmethod
+    def from_json(cls, body: Any) -> PotentialLoadsRequest:
+        body = expect_object(body, "PotentialLoadsRequest")
+        model_name = validation.string(body, "model_name")
+        tenant_id = validation.tenant(body)
+        return cls(model_name, validation.i64_list(body, "sequence_hashes"),
+                   validation.u64(body, "new_isl_tokens", 0), tenant_id)
+
+
+def _tenant(request: Any) -> str:
+    return tenant_of(request.tenant_id, request.routing_group)
+
 
 class SlotTrackerRoutes:
     """One method per route; each returns (status, JSON-serialisable payload)."""
@@ -37,74 +143,39 @@ class SlotTrackerRoutes:
     def __init__(self, tracker: SlotTracker) -> None:
         self.tracker = tracker
 
-    def register(self, body: Any) -> HandlerResult:
-        body = expect_object(body, "RegisterRequest")
-        self.tracker.register(
-            validation.u64(body, "worker_id"),
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-            validation.u32(body, "block_size"),
-            validation.u32(body, "dp_start"),
-            validation.u32(body, "dp_size"),
-        )
+    def register(self, request: RegisterRequest) -> HandlerResult:
+        self.tracker.register(request.worker_id, request.model_name, _tenant(request), request.block_size,
+                              request.dp_start, request.dp_size)
         return 201, OK
 
-    def unregister(self, body: Any) -> HandlerResult:
-        body = expect_object(body, "UnregisterRequest")
-        self.tracker.unregister(
-            validation.u64(body, "worker_id"),
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-        )
+    def unregister(self, request: UnregisterRequest) -> HandlerResult:
+        self.tracker.unregister(request.worker_id, request.model_name, _tenant(request))
         return 200, OK
 
     def workers(self, params: QueryParams) -> HandlerResult:
         model_name, tenant_id = _filters(params)
         return 200, self.tracker.workers(model_name, tenant_id)
 
-    def add(self, body: Any) -> HandlerResult:
-        body = expect_object(body, "AddRequest")
-        self.tracker.add(
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-            validation.string(body, "request_id"),
-            validation.u64(body, "worker_id"),
-            validation.u32(body, "dp_rank"),
-            validation.i64_list(body, "sequence_hashes"),
-            validation.u64(body, "new_isl_tokens", 0),
-        )
+    def add(self, request: AddRequest) -> HandlerResult:
+        self.tracker.add(request.model_name, _tenant(request), request.request_id, request.worker_id,
+                         request.dp_rank, request.sequence_hashes, request.new_isl_tokens)
         return 201, OK
 
-    def prefill_complete(self, body: Any) -> HandlerResult:
-        body = expect_object(body, "PrefillCompleteRequest")
-        self.tracker.prefill_complete(
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-            validation.string(body, "request_id"),
-        )
+    def prefill_complete(self, request: RequestIdRequest) -> HandlerResult:
+        self.tracker.prefill_complete(request.model_name, _tenant(request), request.request_id)
         return 200, OK
 
-    def free(self, body: Any) -> HandlerResult:
-        body = expect_object(body, "FreeRequest")
-        self.tracker.free(
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-            validation.string(body, "request_id"),
-        )
+    def free(self, request: RequestIdRequest) -> HandlerResult:
+        self.tracker.free(request.model_name, _tenant(request), request.request_id)
         return 200, OK
 
     def loads(self, params: QueryParams) -> HandlerResult:
         model_name, tenant_id = _filters(params)
         return 200, self.tracker.loads(model_name, tenant_id)
 
-    def potential_loads(self, body: Any) -> HandlerResult:
-        body = expect_object(body, "PotentialLoadsRequest")
-        return 200, self.tracker.potential_loads(
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-            validation.i64_list(body, "sequence_hashes"),
-            validation.u64(body, "new_isl_tokens", 0),
-        )
+    def potential_loads(self, request: PotentialLoadsRequest) -> HandlerResult:
+        return 200, self.tracker.potential_loads(request.model_name, _tenant(request), request.sequence_hashes,
+                                                 request.new_isl_tokens)
 
 
 def _filters(params: QueryParams) -> tuple[str | None, str | None]:
@@ -124,12 +195,12 @@ async def _sweep_forever(tracker: SlotTracker, interval: float) -> None:
 
 def create_app(
     tracker: SlotTracker | None = None, *, sweep_interval_secs: float = DEFAULT_SWEEP_INTERVAL_SECS
-) -> Starlette:
+) -> http.Service:
     tracker = tracker if tracker is not None else SlotTracker()
     routes = SlotTrackerRoutes(tracker)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: http.Service) -> AsyncIterator[None]:
         sweeper = asyncio.create_task(_sweep_forever(tracker, sweep_interval_secs))
         try:
             yield
@@ -141,14 +212,14 @@ def create_app(
     app = http.Service(
         routes=[
             http.health_route(),
-            http.post("/register", routes.register),
-            http.post("/unregister", routes.unregister),
+            http.post("/register", routes.register, request_type=RegisterRequest),
+            http.post("/unregister", routes.unregister, request_type=UnregisterRequest),
             http.get("/workers", routes.workers, parameters=_FILTERS),
-            http.post("/add", routes.add),
-            http.post("/prefill_complete", routes.prefill_complete),
-            http.post("/free", routes.free),
+            http.post("/add", routes.add, request_type=AddRequest),
+            http.post("/prefill_complete", routes.prefill_complete, request_type=RequestIdRequest),
+            http.post("/free", routes.free, request_type=RequestIdRequest),
             http.get("/loads", routes.loads, parameters=_FILTERS),
-            http.post("/potential_loads", routes.potential_loads),
+            http.post("/potential_loads", routes.potential_loads, request_type=PotentialLoadsRequest),
             http.openapi_route(OPENAPI_PATH),
         ],
         lifespan=lifespan,

@@ -1,0 +1,502 @@
+"""The services' HTTP/1.1 server: an asyncio protocol on httptools (llhttp) and uvloop that
+calls a `Service`'s endpoints synchronously from its parser callbacks.
+
+Why not an ASGI server: per request, uvicorn builds a scope and message dicts, starts a Task and
+runs the app's coroutines, ~70-100 us of a one-core budget in which Dynamo answers a whole
+request. Here a request is parsed in C, routed with one dict lookup, answered by the endpoint's
+`respond(query_string, body)` and written with one `transport.write`, all inside
+`data_received`; pipelined requests are answered in order for the same reason. The app stays an
+ASGI app too (`Service`), for the test client and for embedding; both paths run the same
+endpoints.
+
+What a server on a shared network needs, and what this one does:
+
+* **Request head size.** llhttp sets no limit on the request line and headers. Past
+  `MAX_REQUEST_HEAD` bytes the answer is a JSON 431 and the connection is closed.
+* **Request head time.** A head not complete within `header_timeout_secs` of its first byte (or
+  of the connection, for a client that sends nothing) gets a JSON 408 and the connection is
+  closed: clients that send half a head cannot hold file descriptors for good.
+* **Bodies.** Content type (415) and declared size (413) are judged from the head, before any
+  body byte is read or a `100 Continue` is sent; a body growing past the route's limit is a 413.
+  After such an early answer the rest of the body is read and dropped, so the connection stays
+  usable (it is closed instead when the client waits for `100 Continue`, as it sends no body).
+* **Connections.** Beyond `max_connections` open connections, a new one gets a JSON 503 at
+  once and is closed. Idle keep-alive connections close after `keep_alive_secs`. HTTP/1.0
+  clients keep the connection when they ask (`Connection: keep-alive`).
+* **Back-pressure.** A client that does not read its answers stops being read from.
+* **Shutdown.** On SIGTERM/SIGINT the listener closes, idle connections close, requests in
+  flight are answered (up to `GRACEFUL_SHUTDOWN_SECS`), then the app's lifespan shutdown runs
+  (the indexer's final snapshot) and the process exits with status 0.
+
+`ConnectionLimits` holds the settings and the counters, which `/metrics` reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from email.utils import formatdate
+from http import HTTPStatus
+from time import perf_counter
+from typing import Final
+from urllib.parse import unquote
+
+import httptools
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .http import Service, body_refusal, error_body, failure_answer, too_large
+from .logs import AccessLog
+from .metrics import DISCONNECTED, RouteSeries
+
+logger = logging.getLogger("dynamo_lite.server")
+
+# nginx's default large_client_header_buffers allow 32 KiB; requests to these services carry a
+# few short headers, so anything near this is hostile.
+MAX_REQUEST_HEAD: Final = 64 * 1024
+DEFAULT_HEADER_TIMEOUT_SECS: Final = 10.0
+DEFAULT_KEEP_ALIVE_SECS: Final = 95.0
+GRACEFUL_SHUTDOWN_SECS: Final = 10.0
+BACKLOG: Final = 2048
+STARTUP_FAILED_EXIT_STATUS: Final = 3
+
+_STATUS_LINES: Final = {status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode("ascii")
+                        for status in HTTPStatus}
+_JSON: Final = b"application/json"
+_CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CLOSE: Final = b"connection: close\r\n"
+_KEEP_ALIVE: Final = b"connection: keep-alive\r\n"
+
+
+def _closing_answer(status: int, message: str) -> bytes:
+    body = error_body(message)
+    return b"".join([
+        _STATUS_LINES[status],
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        _CLOSE,
+        b"\r\n",
+        body,
+    ])
+
+
+_TOO_LARGE: Final = _closing_answer(431, f"request line and headers exceed {MAX_REQUEST_HEAD} bytes")
+_TOO_MANY: Final = _closing_answer(503, "too many open connections; try again, or reuse a connection")
+_GARBAGE: Final = _closing_answer(400, "invalid HTTP request")
+_NOT_FOUND: Final = error_body("route not found")
+_NOT_ALLOWED: Final = error_body("method not allowed")
+
+
+@dataclass
+class ConnectionLimits:
+    """The limits every connection of one server obeys, and what they did."""
+
+    header_timeout_secs: float = DEFAULT_HEADER_TIMEOUT_SECS  # 0: no limit
+    max_connections: int = 0  # 0: no limit
+    keep_alive_secs: float = DEFAULT_KEEP_ALIVE_SECS
+    open_connections: int = 0
+    head_timeouts: int = 0  # connections closed with a 408
+    refused_connections: int = 0  # connections closed with a 503 at once
+
+    def timeout_answer(self) -> bytes:
+        return _closing_answer(408, f"request head not complete within {self.header_timeout_secs:g} s")
+
+
+class HttpServer:
+    """What the connections of one listening socket share: the app, the limits, the date."""
+
+    def __init__(self, app: Service, limits: ConnectionLimits, access_log: AccessLog | None = None) -> None:
+        self.app = app
+        self.limits = limits
+        self.access_log = access_log
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[HttpConnection] = set()
+        self.shutting_down = False
+        self.date_line = b""
+        self._tick_date()
+
+    def _tick_date(self) -> None:
+        # One formatted Date per second instead of one per answer.
+        self.date_line = b"date: %s\r\n" % formatdate(usegmt=True).encode("ascii")
+        self._date_timer = self.loop.call_later(1.0, self._tick_date)
+
+    def __call__(self) -> HttpConnection:
+        return HttpConnection(self)
+
+    async def shut_down(self, grace_secs: float = GRACEFUL_SHUTDOWN_SECS) -> None:
+        """Close idle connections now and the others once their request is answered."""
+        self.shutting_down = True
+        for connection in list(self.connections):
+            connection.close_when_idle()
+        deadline = self.loop.time() + grace_secs
+        while self.connections and self.loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for connection in list(self.connections):
+            connection.transport.abort()
+        self._date_timer.cancel()
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection. Per request: head (bounded in size and time), then the body
+    (bounded by the route), then the endpoint's answer, written at once."""
+
+    __slots__ = (
+        "server", "limits", "transport", "parser", "client", "counted", "head_bytes", "reading_head",
+        "head_timer", "idle_timer", "url", "content_type", "content_length", "expect", "trace_id",
+        "keep_alive", "http_1_0", "method", "path", "query_string", "endpoint", "series", "body",
+        "body_size", "answered", "started", "paused",
+    )
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.parser = httptools.HttpRequestParser(self)
+        self.client: str | None = None
+        self.counted = False
+        self.head_bytes = 0
+        self.reading_head = True
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.paused = False
+        self._reset_request()
+
+    def _reset_request(self) -> None:
+        self.url = b""
+        self.content_type: bytes | None = None
+        self.content_length: bytes | None = None
+        self.expect: bytes | None = None
+        self.trace_id: bytes | None = None
+        self.endpoint = None
+        self.series: RouteSeries | None = None
+        self.body: list[bytes] = []
+        self.body_size = 0
+        self.answered = False
+
+    # --- asyncio.Protocol -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+        limits = self.limits
+        if self.server.shutting_down or (limits.max_connections and limits.open_connections >= limits.max_connections):
+            limits.refused_connections += 1
+            self.transport.write(_TOO_MANY)
+            self.transport.close()
+            return
+        limits.open_connections += 1
+        self.counted = True
+        self.server.connections.add(self)
+        if self.server.access_log is not None:
+            peer = transport.get_extra_info("peername")
+            self.client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else None
+        self._start_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        if self.counted:
+            self.limits.open_connections -= 1
+            self.counted = False
+            self.server.connections.discard(self)
+        if self.series is not None and not self.answered:
+            # Left before its body arrived: nobody to answer, but the route saw the request.
+            self._record(DISCONNECTED)
+
+    def data_received(self, data: bytes) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        if self.reading_head:
+            if self.head_timer is None:
+                self._start_head_timer()  # the first byte of the next request's head
+            self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Answered as plain HTTP/1.1 (no 101); what follows is not HTTP any more.
+            self._close()
+            return
+        except httptools.HttpParserError:
+            if not self.transport.is_closing():
+                self.transport.write(_GARBAGE)
+                self._close()
+            return
+        if self.transport.is_closing():
+            return
+        if self.reading_head:
+            if self.head_bytes > MAX_REQUEST_HEAD:
+                logger.warning("Request head over %d bytes from %s; closing.", MAX_REQUEST_HEAD, self.client or "a client")
+                self.transport.write(_TOO_LARGE)
+                self._close()
+            elif self.head_bytes == 0 and self.head_timer is None:
+                self.idle_timer = self.server.loop.call_later(self.limits.keep_alive_secs, self._close)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    # --- httptools callbacks --------------------------------------------------------------
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-type":
+            self.content_type = value
+        elif name == b"content-length":
+            self.content_length = value
+        elif name == b"expect":
+            self.expect = value
+        elif self.server.access_log is not None and name == self.server.access_log.trace_id_header:
+            self.trace_id = value
+
+    def on_headers_complete(self) -> None:
+        self.reading_head = False
+        self.head_bytes = 0
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+        self.started = perf_counter()
+        parser = self.parser
+        self.keep_alive = parser.should_keep_alive() and not self.server.shutting_down
+        self.http_1_0 = parser.get_http_version() == "1.0"
+        self.method = method = parser.get_method().decode("ascii")
+        url = self.url
+        if url[:1] == b"/":
+            raw_path, _, self.query_string = url.partition(b"?")
+        else:  # absolute form, as a proxy would send
+            parsed = httptools.parse_url(url)
+            raw_path, self.query_string = parsed.path or b"/", parsed.query or b""
+        path = raw_path.decode("latin-1")
+        self.path = path = unquote(path) if "%" in path else path
+        route = self.server.app.endpoint(path)
+        if route is None:
+            self.series = self.server.app.unmatched_route
+            self._answer_early(404, _NOT_FOUND, _JSON)
+            return
+        methods, endpoint, self.series = route
+        if method not in methods:
+            allow = b"allow: %s\r\n" % ", ".join(sorted(methods)).encode("ascii")
+            self._answer_early(405, _NOT_ALLOWED, _JSON, allow)
+            return
+        self.endpoint = endpoint
+        if endpoint.max_body:
+            refusal = body_refusal(self.content_type, self.content_length, endpoint.max_body)
+            if refusal is not None:
+                self._answer_early(*failure_answer(refusal))
+                return
+            if self.expect is not None and self.expect.lower() == b"100-continue":
+                self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        if self.answered:
+            return  # the rest of a refused body
+        self.body_size += len(body)
+        endpoint = self.endpoint
+        if endpoint is not None and self.body_size > endpoint.max_body:
+            self._answer_early(*failure_answer(too_large(endpoint.max_body)))
+            self.body = []
+            return
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if not self.answered:
+            body = self.body
+            payload = body[0] if len(body) == 1 else b"".join(body)
+            self._answer(*self.endpoint.answer(self.query_string, payload))  # type: ignore[union-attr]
+        self._reset_request()
+        self.reading_head = True
+        if not self.keep_alive:
+            self._close()
+
+    # --- answers --------------------------------------------------------------------------
+
+    def _answer_early(self, status: int, body: bytes, content_type: bytes | None, extra: bytes = b"") -> None:
+        """Answer before the body is read; a client waiting for `100 Continue` sends none, so
+        its connection cannot carry another request."""
+        waiting_for_continue = self.expect is not None and self.expect.lower() == b"100-continue"
+        if waiting_for_continue:
+            self.keep_alive = False
+        self._answer(status, body, content_type, extra)
+        if waiting_for_continue:
+            self._close()
+
+    def _answer(self, status: int, body: bytes, content_type: bytes | None, extra: bytes = b"") -> None:
+        self.answered = True
+        if self.keep_alive:
+            connection = _KEEP_ALIVE if self.http_1_0 else b""
+        else:
+            connection = _CLOSE
+        head = b"%s%s%s%s%s%s\r\n" % (
+            _STATUS_LINES[status],
+            b"content-length: %d\r\n" % len(body) if status != 204 else b"",
+            b"content-type: %s\r\n" % content_type if content_type is not None else b"",
+            self.server.date_line,
+            connection,
+            extra,
+        )
+        if not self.transport.is_closing():
+            self.transport.write(head if self.method == "HEAD" else head + body)
+        self._record(status)
+
+    def _record(self, status: int) -> None:
+        seconds = perf_counter() - self.started
+        self.series.record(status, seconds)  # type: ignore[union-attr]
+        access_log = self.server.access_log
+        if access_log is not None:
+            access_log(self.client, self.method, self.path, status, seconds, self.trace_id)
+
+    # --- timers and closing ---------------------------------------------------------------
+
+    def close_when_idle(self) -> None:
+        """Shutdown: close now unless a request is under way, which closes after its answer."""
+        if self.reading_head and self.head_bytes == 0:
+            self._close()
+        else:
+            self.keep_alive = False
+
+    def _close(self) -> None:
+        self._cancel_timers()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _cancel_timers(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+    def _start_head_timer(self) -> None:
+        timeout = self.limits.header_timeout_secs
+        if timeout > 0 and self.head_timer is None:
+            self.head_timer = self.server.loop.call_later(timeout, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self.head_timer = None
+        if not self.reading_head or self.transport.is_closing():
+            return
+        if self.paused:
+            self._start_head_timer()  # still writing the previous answer: wait for it
+            return
+        self.limits.head_timeouts += 1
+        self.transport.write(self.limits.timeout_answer())
+        self._close()
+
+
+class ConnectionCollector(Collector):
+    """`/metrics` view of a server's `ConnectionLimits`."""
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.limits = limits
+
+    def collect(self) -> Iterator[Metric]:
+        limits = self.limits
+        yield GaugeMetricFamily("dynamo_lite_http_open_connections", "client connections open now",
+                                limits.open_connections)
+        yield GaugeMetricFamily("dynamo_lite_http_max_connections",
+                                "the --max-connections limit (0: none)", limits.max_connections)
+        yield CounterMetricFamily(
+            "dynamo_lite_http_header_timeouts",
+            "connections closed with a 408: a request head not complete within --header-timeout-secs",
+            limits.head_timeouts,
+        )
+        yield CounterMetricFamily(
+            "dynamo_lite_http_refused_connections",
+            "connections answered 503 and closed at once: --max-connections were open",
+            limits.refused_connections,
+        )
+
+
+class StartupFailed(Exception):
+    """The app could not start: its lifespan's start-up raised, or the port cannot be bound."""
+
+
+async def serve_app(
+    app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None
+) -> None:
+    """Start the app (its lifespan's start-up), listen until SIGINT/SIGTERM, drain, shut down."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    lifespan = app.router.lifespan_context(app)
+    try:
+        await lifespan.__aenter__()
+    except Exception as exc:
+        raise StartupFailed("start-up failed") from exc
+    try:
+        server = HttpServer(app, limits, access_log)
+        try:
+            listener = await loop.create_server(server, host, port, backlog=BACKLOG)
+        except OSError as exc:
+            raise StartupFailed(f"cannot listen on {host}:{port}: {exc}") from exc
+        logger.info("listening on http://%s:%d", host if ":" not in host else f"[{host}]", port)
+        await stop.wait()
+        logger.info("shutting down: answering the requests in flight")
+        listener.close()
+        await server.shut_down()
+    except BaseException:
+        if not await lifespan.__aexit__(*sys.exc_info()):
+            raise
+    else:
+        await lifespan.__aexit__(None, None, None)
+    logger.info("stopped")
+
+
+def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None) -> None:
+    """`serve_app` on uvloop (the asyncio loop where uvloop is missing). A start-up failure (a
+    bad snapshot, a port in use) is logged and ends the process with status 3, as uvicorn's."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency wherever it builds
+        new_loop = asyncio.new_event_loop
+    else:
+        new_loop = uvloop.new_event_loop
+    runner = asyncio.Runner(loop_factory=new_loop) if sys.version_info >= (3, 11) else _runner(new_loop)
+    with runner:
+        try:
+            runner.run(serve_app(app, host, port, limits, access_log))
+        except StartupFailed as exc:
+            logger.error("%s", exc, exc_info=exc.__cause__)
+            raise SystemExit(STARTUP_FAILED_EXIT_STATUS) from None
+
+
+class _runner:
+    """`asyncio.Runner` for Python 3.10."""
+
+    def __init__(self, new_loop) -> None:  # type: ignore[no-untyped-def]
+        self.loop = new_loop()
+
+    def __enter__(self) -> _runner:
+        asyncio.set_event_loop(self.loop)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    def run(self, coroutine) -> None:  # type: ignore[no-untyped-def]
+        self.loop.run_until_complete(coroutine)
+
+
+__all__ = [
+    "DEFAULT_HEADER_TIMEOUT_SECS",
+    "DEFAULT_KEEP_ALIVE_SECS",
+    "MAX_REQUEST_HEAD",
+    "ConnectionCollector",
+    "ConnectionLimits",
+    "HttpServer",
+    "StartupFailed",
+    "run",
+    "serve_app",
+]
