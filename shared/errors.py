@@ -33,10 +33,6 @@ class NotFound(ServiceError):
     status = 404
 
 
-class MethodNotAllowed(ServiceError):
-    status = 405
-
-
 class Conflict(ServiceError):
     status = 409
 
@@ -54,6 +50,3 @@ class InvalidShape(ServiceError):
 
     status = 422
 
-
-class Unavailable(ServiceError):
-    status = 503

@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 from urllib.parse import parse_qsl
 
 import orjson
@@ -31,11 +31,8 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from .errors import (
     MalformedRequest,
@@ -164,6 +161,9 @@ class QueryParams(Mapping[str, str]):
 
     def __init__(self, raw: bytes, known: frozenset[str]) -> None:
         values: dict[str, str] = {}
+        self._values = values
+        if not raw:
+            return
         try:
             pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True, encoding="utf-8")
         except ValueError as exc:
@@ -178,6 +178,12 @@ class QueryParams(Mapping[str, str]):
 
     def __getitem__(self, key: str) -> str:
         return self._values[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._values.get(key, default)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self._values)
@@ -327,49 +333,37 @@ def openapi_route(spec_path: Path) -> Route:
     return Route("/openapi.json", StaticEndpoint(document), methods=["GET"])
 
 
-_ROUTING_MESSAGES = {404: "route not found", 405: "method not allowed"}
+NOT_FOUND_BODY = error_body("route not found")
+NOT_ALLOWED_BODY = error_body("method not allowed")
 
 
-async def http_exception_handler(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404/405 decisions, in the service's JSON error shape."""
-    assert isinstance(exc, HTTPException)
-    message = _ROUTING_MESSAGES.get(exc.status_code, exc.detail)
-    headers = dict(exc.headers or {})
-    if "Allow" in headers:  # Starlette builds it from a set; keep it stable for clients and caches
-        headers["Allow"] = ", ".join(sorted(headers["Allow"].split(", ")))
-    return Response(
-        error_body(message),
-        status_code=exc.status_code,
-        headers=headers,
-        media_type="application/json",
-    )
-
-
-async def server_error_handler(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error while serving %s %s", request.method, request.url.path)
-    return Response(error_body("internal error; see the service log"), status_code=500,
-                    media_type="application/json")
-
-
-EXCEPTION_HANDLERS = {HTTPException: http_exception_handler, Exception: server_error_handler}
+def allow_header(methods: Iterable[str]) -> bytes:
+    """The `Allow` value of a 405, sorted so that clients and caches see it stable."""
+    return ", ".join(sorted(methods)).encode("ascii")
 
 
 Lifespan = Callable[[Any], contextlib.AbstractAsyncContextManager[Any]]
 
 
-class Service(Starlette):
-    """A Starlette app whose own JSON routes skip Starlette's per-request machinery.
+class RouteEntry(NamedTuple):
+    methods: frozenset[str]
+    endpoint: DirectEndpoint
+    series: RouteSeries
 
-    A request whose exact path and method belong to a `DirectEndpoint` (which turns every
-    failure into a JSON answer itself) is handed straight to it: no middleware stack, no route
-    matching. Everything else (unknown paths, wrong methods, lifespan) takes the ordinary
-    Starlette path, so 404/405 answers and start-up/shutdown are unchanged.
+
+class Service(Starlette):
+    """An ASGI app of `DirectEndpoint` routes that routes requests itself.
+
+    Paths match exactly (as in Dynamo: `/health/` is a 404); a path that is no route is a JSON
+    404, a known path with another method a JSON 405 with `Allow`. Starlette runs the lifespan
+    and keeps `state`; no request goes through its middleware or router. The native server
+    (`dynamo_lite.server`) routes with the same table (`endpoint`) and calls the same endpoints.
 
     Beside the given routes it serves `/ready` and `/metrics`. `state.ready` turns true when
     the lifespan's start-up part (everything before its `yield`: recovery, loading) has
     returned, and false again when shutdown begins. `collectors` add the core's metrics to the
     app's own registry (`metrics_registry`). Every request's status and latency are recorded
-    per route; `access_log`, when set (see `dynamo_lite.cli.serve`), is called once per request.
+    per route; `access_log`, when set, is called once per request.
     """
 
     def __init__(
@@ -378,31 +372,28 @@ class Service(Starlette):
         routes: list[Route],
         lifespan: Lifespan | None = None,
         collectors: Iterable[Collector] = (),
-        **kwargs: Any,
     ) -> None:
         self.request_metrics = RequestMetrics()
         self.metrics_registry = new_registry(self.request_metrics)
         for collector in collectors:
             self.metrics_registry.register(collector)
-        super().__init__(routes=routes, exception_handlers=EXCEPTION_HANDLERS,
-                         lifespan=self._readiness(lifespan), **kwargs)
+        super().__init__(routes=routes, lifespan=self._readiness(lifespan))
         self.state.ready = False
         self.router.routes.append(Route("/ready", ReadyEndpoint(self.state), methods=["GET"]))
         self.router.routes.append(Route("/metrics", MetricsEndpoint(self.metrics_registry), methods=["GET"]))
-        self.router.redirect_slashes = False  # paths match exactly, as in Dynamo: /health/ is a 404
-        self._paths = {route.path for route in self.routes if isinstance(route, Route)}
-        self._direct = {
-            route.path: (frozenset(route.methods or ()), route.endpoint, self.request_metrics.route(route.path))
-            for route in self.routes
-            if isinstance(route, Route) and isinstance(route.endpoint, DirectEndpoint)
-        }
+        self._table: dict[str, RouteEntry] = {}
+        for route in self.routes:
+            if not isinstance(route, Route) or not isinstance(route.endpoint, DirectEndpoint):
+                raise TypeError(f"route {getattr(route, 'path', route)!r} is not a DirectEndpoint route")
+            self._table[route.path] = RouteEntry(
+                frozenset(route.methods or ()), route.endpoint, self.request_metrics.route(route.path)
+            )
         self.unmatched_route = self.request_metrics.route(UNMATCHED_ROUTE)
         self.access_log: AccessLog | None = None
 
-    def endpoint(self, path: str) -> tuple[frozenset[str], DirectEndpoint, RouteSeries] | None:
-        """The methods, endpoint and metric series of `path`, for servers that route themselves
-        (`dynamo_lite.server`); None for a path that is no route (a 404)."""
-        return self._direct.get(path)
+    def endpoint(self, path: str) -> RouteEntry | None:
+        """The methods, endpoint and metric series of `path`; None for a path that is no route."""
+        return self._table.get(path)
 
     def _readiness(self, lifespan: Lifespan | None) -> Lifespan:
         @contextlib.asynccontextmanager
@@ -417,44 +408,29 @@ class Service(Starlette):
         return ready_after_start_up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            direct = self._direct.get(scope["path"])
-            if direct is not None and scope["method"] in direct[0]:
-                start = perf_counter()
-                status = await direct[1](scope, receive, send)
-                self._record(scope, direct[2], status, perf_counter() - start)
-                return
-            await self._serve_routed(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)  # the lifespan
             return
-        await super().__call__(scope, receive, send)
-
-    async def _serve_routed(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Starlette's path (404, 405, any non-direct route), measured through `send`."""
-        status = 500  # when the app raises before answering
         start = perf_counter()
-
-        async def capture_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await super().__call__(scope, receive, capture_status)
-        finally:
-            path = scope["path"]
-            route = self.request_metrics.route(path if path in self._paths else UNMATCHED_ROUTE)
-            self._record(scope, route, status, perf_counter() - start)
-
-    def _record(self, scope: Scope, route: RouteSeries, status: int, seconds: float) -> None:
-        route.record(status, seconds)
+        route = self._table.get(scope["path"])
+        head = scope["method"] == "HEAD"
+        if route is None:
+            series, status = self.unmatched_route, 404
+            await send_bytes(send, status, NOT_FOUND_BODY, head=head)
+        elif scope["method"] not in route.methods:
+            series, status = route.series, 405
+            await send_bytes(send, status, NOT_ALLOWED_BODY, head=head,
+                             extra_headers=[(b"allow", allow_header(route.methods))])
+        else:
+            series = route.series
+            status = await route.endpoint(scope, receive, send)
+        series.record(status, perf_counter() - start)
         if self.access_log is not None:
-            self.access_log.from_scope(scope, status, seconds)
+            self.access_log.from_scope(scope, status, perf_counter() - start)
 
 
 __all__ = [
     "DEFAULT_MAX_BODY",
-    "EXCEPTION_HANDLERS",
     "DirectEndpoint",
     "JsonBodyEndpoint",
     "JsonQueryEndpoint",

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from starlette.testclient import TestClient
 
-from dynamo_lite.indexer.app import create_app
+from dynamo_lite.indexer.app import IndexerConfig, create_app
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer
 from dynamo_lite.indexer.tree import Node, PrefixTree, StoreStatus
@@ -211,7 +211,7 @@ def test_indexer_counts_evictions_per_partition_and_after_unregister() -> None:
 
 
 def test_evictions_show_in_metrics_and_workers() -> None:
-    with TestClient(create_app(max_blocks=2)) as client:
+    with TestClient(create_app(IndexerConfig(max_blocks=2))) as client:
         document = {"m:default": {"block_size": 4, "events": [{"worker_id": 1, "event": {
             "event_id": 0, "dp_rank": 0, "data": {"stored": {"parent_hash": None, "blocks": [
                 {"block_hash": h, "tokens_hash": h} for h in (1, 2, 3)]}}}}]}}

@@ -9,7 +9,7 @@ from http_support import JSON, assert_error, post
 from starlette.testclient import TestClient
 
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
-from dynamo_lite.indexer.app import create_app
+from dynamo_lite.indexer.app import IndexerConfig, create_app
 
 TOKENS = list(range(1, 65))
 LOCAL = local_block_hashes(TOKENS, 16)  # the reference's range(1, 65) / 16 vector
@@ -266,6 +266,6 @@ def test_full_garbage_collections_run_on_a_timer() -> None:
     import time
 
     before = gc.get_stats()[2]["collections"]
-    with TestClient(create_app(full_gc_interval_secs=0.05)):
+    with TestClient(create_app(IndexerConfig(full_gc_interval_secs=0.05))):
         time.sleep(0.4)
     assert gc.get_stats()[2]["collections"] >= before + 2

@@ -24,7 +24,7 @@ def seeded_app():
         {"worker_id": 2, "storage_tier": "host_pinned", "event": {"event_id": 1, "dp_rank": 0, "data": {"stored": {
             "parent_hash": 0, "blocks": [{"block_hash": 1, "tokens_hash": local[1]}]}}}},
     ]}}))
-    return create_app(indexer)
+    return create_app(indexer=indexer)
 
 
 schema = load("indexer.yaml", seeded_app())

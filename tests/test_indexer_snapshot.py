@@ -20,7 +20,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from dynamo_lite.indexer import snapshot
-from dynamo_lite.indexer.app import create_app
+from dynamo_lite.indexer.app import IndexerConfig, create_app
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer
 
@@ -86,7 +86,7 @@ def test_temp_files_of_a_killed_writer_are_removed_at_start_up(tmp_path: Path) -
     path = tmp_path / "index.json"
     (tmp_path / ".index.json.abc123.tmp").write_bytes(b'{"half')
     (tmp_path / "other.tmp").write_bytes(b"not ours")
-    app = create_app(snapshot=str(path))
+    app = create_app(IndexerConfig(snapshot=str(path)))
     with TestClient(app) as client:
         assert client.get("/ready").status_code == 200
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "other.tmp"]
@@ -97,7 +97,7 @@ def test_bad_snapshot_stops_start_up(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "index.json"
     path.write_bytes(content)
     with pytest.raises(snapshot.SnapshotError, match="index.json"):
-        with TestClient(create_app(snapshot=str(path))):
+        with TestClient(create_app(IndexerConfig(snapshot=str(path)))):
             pass
     assert path.read_bytes() == content  # left for the operator to inspect
 
@@ -105,7 +105,7 @@ def test_bad_snapshot_stops_start_up(tmp_path: Path, content: bytes) -> None:
 def test_bad_snapshot_is_moved_aside_when_asked(tmp_path: Path) -> None:
     path = tmp_path / "index.json"
     path.write_bytes(b"{")
-    with TestClient(create_app(snapshot=str(path), ignore_bad_snapshot=True)) as client:
+    with TestClient(create_app(IndexerConfig(snapshot=str(path), ignore_bad_snapshot=True))) as client:
         assert client.get("/ready").status_code == 200
         assert client.get("/dump").json() == {}
     assert (tmp_path / "index.json.bad").read_bytes() == b"{"
@@ -114,7 +114,7 @@ def test_bad_snapshot_is_moved_aside_when_asked(tmp_path: Path) -> None:
 
 def test_shutdown_writes_the_final_snapshot_in_process(tmp_path: Path) -> None:
     path = tmp_path / "index.json"
-    with TestClient(create_app(snapshot=str(path), snapshot_interval_secs=3600)) as client:
+    with TestClient(create_app(IndexerConfig(snapshot=str(path), snapshot_interval_secs=3600))) as client:
         document = {"m:default": {"block_size": 4, "events": [stored(1, 0, [10, 11])]}}
         assert client.post("/events", json=document).status_code == 200
         expected = client.get("/dump").json()
@@ -248,7 +248,7 @@ def test_bad_snapshot_makes_the_process_exit_with_a_clear_message(tmp_path: Path
 
 def test_missing_snapshot_directory_stops_start_up(tmp_path: Path) -> None:
     with pytest.raises(snapshot.SnapshotError, match="does not exist"):
-        with TestClient(create_app(snapshot=str(tmp_path / "absent" / "index.json"), ignore_bad_snapshot=True)):
+        with TestClient(create_app(IndexerConfig(snapshot=str(tmp_path / "absent" / "index.json"), ignore_bad_snapshot=True))):
             pass
 
 

@@ -17,7 +17,7 @@ from dynamo_lite.cli import (
     service_parser,
 )
 
-from .app import create_app
+from .app import IndexerConfig, create_app
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Subscription, validate_endpoint
 
 DEFAULT_PORT = 8090
@@ -160,17 +160,17 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("dynamo_lite.indexer").info(
         "starting indexer on %s:%d%s", args.host, args.port, f" (peers: {', '.join(peers)})" if peers else ""
     )
-    app = create_app(
-        peers=peers,
-        recovery_deadline_secs=args.recovery_timeout_secs,
+    app = create_app(IndexerConfig(
         max_blocks=args.max_blocks,
+        peers=tuple(peers),
+        recovery_deadline_secs=args.recovery_timeout_secs,
         snapshot=args.snapshot,
         snapshot_interval_secs=args.snapshot_interval_secs,
         ignore_bad_snapshot=args.ignore_bad_snapshot,
-        workers=workers,
+        workers=tuple(workers),
         replay_timeout_secs=args.replay_timeout_secs,
         full_gc_interval_secs=args.full_gc_interval_secs,
-    )
+    ))
     serve(app, args, gc_thresholds=YOUNG_ONLY_GC_THRESHOLDS)
 
 

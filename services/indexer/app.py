@@ -12,6 +12,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -212,36 +213,44 @@ async def _collect_garbage(interval_secs: float) -> None:
                     (time.perf_counter() - started) * 1000)
 
 
-def create_app(
-    indexer: Indexer | None = None,
-    *,
-    peers: list[str] | None = None,
-    recovery_deadline_secs: float = 10.0,
-    max_blocks: int = 0,
-    snapshot: str | None = None,
-    snapshot_interval_secs: float = 30.0,
-    ignore_bad_snapshot: bool = False,
-    workers: list[Subscription] | None = None,
-    replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS,
-    full_gc_interval_secs: float = 0.0,
-) -> http.Service:
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Everything the indexer app is started with (`python -m dynamo_lite.indexer` builds it
+    from its flags; the defaults are the flags' defaults, except `full_gc_interval_secs`,
+    which is 0 (no periodic full collection) for an app embedded without `serve`)."""
+
+    max_blocks: int = 0  # per partition; 0: unbounded
+    peers: tuple[str, ...] = ()  # indexers to recover from at start-up, first reachable wins
+    recovery_deadline_secs: float = 10.0
+    snapshot: str | None = None  # file loaded at start-up, rewritten periodically and at shutdown
+    snapshot_interval_secs: float = 30.0
+    ignore_bad_snapshot: bool = False
+    workers: tuple[Subscription, ...] = ()  # engines to subscribe to at start-up
+    replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS
+    full_gc_interval_secs: float = 0.0
+
+
+def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None = None) -> http.Service:
     """The indexer app. Start-up loads the `snapshot` file (when given), then recovers from the
     first reachable of `peers`, before the server accepts connections (the server opens the port
     after the lifespan starts), and subscribes to the engines of `workers` (`--workers`). While
     serving, the snapshot is rewritten every `snapshot_interval_secs`, and once more at
     shutdown, after the requests in flight and after every engine listener has closed."""
+    max_blocks, snapshot, full_gc_interval_secs = config.max_blocks, config.snapshot, config.full_gc_interval_secs
+    workers, recovery_deadline_secs = config.workers, config.recovery_deadline_secs
     indexer = indexer if indexer is not None else Indexer(max_blocks)
-    peer_list = PeerList(peers)
-    listeners = Listeners(indexer, replay_timeout_secs=replay_timeout_secs)
+    peer_list = PeerList(list(config.peers))
+    listeners = Listeners(indexer, replay_timeout_secs=config.replay_timeout_secs)
     routes = IndexerRoutes(indexer, peer_list, listeners)
-    snapshots = Snapshots(indexer, snapshot, snapshot_interval_secs, ignore_bad=ignore_bad_snapshot) if snapshot else None
+    snapshots = (Snapshots(indexer, snapshot, config.snapshot_interval_secs, ignore_bad=config.ignore_bad_snapshot)
+                 if snapshot else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: http.Service) -> AsyncIterator[None]:
         if snapshots is not None:
             snapshots.restore()
         await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
-        for subscription in workers or ():
+        for subscription in workers:
             routes.subscribe(subscription)
         tasks = [asyncio.create_task(_log_evictions(indexer))]
         if full_gc_interval_secs > 0:
