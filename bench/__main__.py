@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import indexer_http, report, slot_tracker_http, zmq_ingest
+from . import cores, indexer_http, report, slot_tracker_http, zmq_ingest
 from .runner import Results, Settings, machine_facts, progress
 from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu, reference_python
 from .wrk import ensure_wrk
@@ -38,6 +38,7 @@ SCENARIOS = {
     "events": "indexer /events ingest in blocks/s, 64-block stored events",
     "zmq_ingest": "indexers subscribed to 16 vLLM engines over ZMQ: ingest in blocks/s, 64-block batches",
     "query_while_ingesting": "/query_by_hash p50 at c=1, idle and while 16 engines publish 200k blocks/s",
+    "cores": "the pure cores' hot paths in microseconds (bench/cores.py), on the server CPU",
 }
 GROUPS = {
     "slot_tracker": ("health", "loads", "potential_loads", "lifecycle"),
@@ -49,7 +50,7 @@ GROUPS = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Benchmark ours, Dynamo 1.6.1's services and a bare Starlette stub side by side; "
+        description="Benchmark ours, Dynamo 1.6.1's services and a no-logic stub on our server side by side; "
                     "write RESULTS.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="scenarios (for --only; groups: " + ", ".join(f"{g} = {'+'.join(s)}" for g, s in GROUPS.items())
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         slot_tracker_http.run(results, args.selected, ref_python)
         indexer_http.run(results, args.selected, ref_python)
         zmq_ingest.run(results, args.selected, ref_python)
+        cores.run(results, args.selected)
     finally:
         results.meta["wall_s"] = time.monotonic() - started
         results.save(output_dir / "results.json")
