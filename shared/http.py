@@ -310,11 +310,17 @@ class ReadyEndpoint(DirectEndpoint):
 
 
 def post(
-    path: str, handler: BodyHandler, *, request_type: type[RequestBody] | None = None, max_body: int = DEFAULT_MAX_BODY
+    path: str,
+    handler: BodyHandler,
+    *,
+    request_type: type[RequestBody] | None = None,
+    read: Callable[[bytes], Any] | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
 ) -> Route:
-    """A POST route; with `request_type`, the handler gets that type (see `RequestBody`),
-    otherwise the decoded JSON document."""
-    read = decoder(request_type) if request_type is not None else decode_json
+    """A POST route; the handler gets the body as `request_type` (see `RequestBody`), or as
+    `read` returns it, or else as the decoded JSON document."""
+    if read is None:
+        read = decoder(request_type) if request_type is not None else decode_json
     return Route(path, JsonBodyEndpoint(handler, read=read, max_body=max_body), methods=["POST"])
 
 

@@ -27,7 +27,7 @@ from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, val
 from .metrics import IndexerCollector, ListenerCollector
 from .peers import PeerList, recover
 from .snapshot import Snapshots
-from .protocols import parse_events_document
+from .protocols import PartitionEvents, decode_events_document
 from .state import Indexer
 
 logger = logging.getLogger("dynamo_lite.indexer")
@@ -153,8 +153,8 @@ class IndexerRoutes:
                         rank.listener = listener.info()
         return 200, workers
 
-    def events(self, body: Any) -> HandlerResult:
-        return 200, self.indexer.apply_events(parse_events_document(body))
+    def events(self, document: list[PartitionEvents]) -> HandlerResult:
+        return 200, self.indexer.apply_events(document)
 
     def query_by_hash(self, request: QueryByHashRequest) -> HandlerResult:
         return 200, self.indexer.query(request.model_name, tenant_of(request.tenant_id, request.routing_group),
@@ -278,7 +278,7 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             http.post("/register", routes.register),
             http.post("/unregister", routes.unregister),
             http.get("/workers", routes.workers, parameters=_FILTERS),
-            http.post("/events", routes.events, max_body=LARGE_BODY),
+            http.post("/events", routes.events, read=decode_events_document, max_body=LARGE_BODY),
             http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest),
             http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY),
             http.get("/dump", routes.dump),

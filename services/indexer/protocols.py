@@ -33,12 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Final, Literal, NoReturn, Union
+from operator import attrgetter
+from typing import Annotated, Any, Final, Literal, NoReturn, Optional, Union
 
+import msgspec
 import orjson
+from msgspec import UNSET, UnsetType
 
 from dynamo_lite.errors import InvalidShape
-from dynamo_lite.validation import describe
+from dynamo_lite.validation import decode_json, describe
 from dynamo_lite.hashing import I64_MIN, U64_MAX, to_unsigned, to_unsigned_list
 
 U32_MAX: Final = 2**32 - 1
@@ -275,6 +278,125 @@ def _bad(path: str, expected: str, value: Any) -> NoReturn:
     if value is _MISSING:
         raise InvalidShape(f"{path}: missing field")
     raise InvalidShape(f"{path}: expected {expected}, got {describe(value)}")
+
+
+# --- decoding in one pass ---------------------------------------------------------------------
+# The same document as msgspec Structs: one C pass decodes and type-checks it (about half the
+# time of orjson plus `parse_events_document` for 1,024 blocks). Whatever these types refuse,
+# or whatever needs a check they cannot express, is parsed again by `parse_events_document`,
+# which names the problem; it stays the definition of what is accepted.
+
+
+class _Block(msgspec.Struct):
+    block_hash: int
+    tokens_hash: int
+
+
+class _Stored(msgspec.Struct):
+    blocks: list[_Block]
+    parent_hash: Optional[int] = None
+
+
+class _Removed(msgspec.Struct):
+    block_hashes: list[int]
+
+
+class _Data(msgspec.Struct, forbid_unknown_fields=True):
+    """`{"stored": ...}`, `{"removed": ...}` or `{"cleared": null}`: exactly one is set."""
+
+    stored: Union[_Stored, UnsetType] = UNSET
+    removed: Union[_Removed, UnsetType] = UNSET
+    cleared: Union[None, UnsetType] = UNSET
+
+
+class _Event(msgspec.Struct):
+    event_id: Annotated[int, msgspec.Meta(ge=0)]
+    data: Union[Literal["cleared"], _Data]
+    dp_rank: Union[Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)], UnsetType] = UNSET
+
+
+class _RouterEvent(msgspec.Struct):
+    worker_id: Annotated[int, msgspec.Meta(ge=0)]
+    event: _Event
+    storage_tier: StorageTier = DEVICE
+    dp_rank: Union[Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)], UnsetType] = UNSET
+
+
+class _Section(msgspec.Struct):
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
+    events: list[_RouterEvent]
+
+
+_decode_document = msgspec.json.Decoder(dict[str, _Section]).decode
+_block_hashes = attrgetter("block_hash")
+_tokens_hashes = attrgetter("tokens_hash")
+
+
+class _Refused(Exception):
+    """The fast path cannot take this document; `parse_events_document` will say why."""
+
+
+def decode_events_document(body: bytes) -> list[PartitionEvents]:
+    """`parse_events_document(json.loads(body))`, faster for documents it accepts."""
+    try:
+        return [_section(key, section) for key, section in _decode_document(body).items()]
+    except Exception:  # noqa: BLE001 - msgspec raises several kinds, `_Refused` the rest
+        return parse_events_document(decode_json(body))
+
+
+def _section(key: str, section: _Section) -> PartitionEvents:
+    model_name, colon, tenant_id = key.rpartition(":")
+    if not colon:
+        raise _Refused
+    return PartitionEvents(model_name, tenant_id, section.block_size, [_event(event) for event in section.events])
+
+
+def _event(raw: _RouterEvent) -> RouterEvent:
+    inner = raw.event
+    if raw.worker_id > U64_MAX or inner.event_id > U64_MAX:
+        raise _Refused
+    outer_rank, dp_rank = raw.dp_rank, inner.dp_rank
+    if outer_rank is not UNSET:
+        if dp_rank is not UNSET and dp_rank != outer_rank:
+            raise _Refused
+        dp_rank = outer_rank
+    elif dp_rank is UNSET:
+        dp_rank = 0
+    data = inner.data
+    parsed: EventData
+    if data == "cleared":
+        parsed = CLEARED
+    elif data.stored is not UNSET:
+        if data.removed is not UNSET or data.cleared is not UNSET:
+            raise _Refused
+        stored = data.stored
+        parent = stored.parent_hash
+        if parent is not None:
+            if not I64_MIN <= parent <= U64_MAX:
+                raise _Refused
+            parent = to_unsigned(parent)
+        blocks = stored.blocks
+        parsed = Stored(parent, _u64s(list(map(_block_hashes, blocks))), _u64s(list(map(_tokens_hashes, blocks))))
+    elif data.removed is not UNSET:
+        if data.cleared is not UNSET:
+            raise _Refused
+        parsed = Removed(_u64s(data.removed.block_hashes))
+    elif data.cleared is None:
+        parsed = CLEARED
+    else:
+        raise _Refused  # {}
+    return RouterEvent(raw.worker_id, dp_rank, inner.event_id, raw.storage_tier, parsed)  # type: ignore[arg-type]
+
+
+def _u64s(values: list[int]) -> list[int]:
+    if not values:
+        return values
+    low = min(values)
+    if low >= 0 and max(values) <= U64_MAX:
+        return values
+    if low >= I64_MIN and max(values) <= U64_MAX:
+        return to_unsigned_list(values)
+    raise _Refused
 
 
 # --- serializing -----------------------------------------------------------------------------
