@@ -250,7 +250,7 @@ def test_indexer_gauges_and_event_counters_follow_its_state(indexer_client: Test
 
 def test_evictions_are_counted() -> None:
     indexer = Indexer(max_blocks=2)
-    with TestClient(create_indexer_app(indexer)) as client:
+    with TestClient(create_indexer_app(indexer=indexer)) as client:
         post(client, "/events", events(stored(1, 0, [1, 2, 3, 4, 5], LOCAL[:5])))
         samples = scrape(client)
     assert value(samples, "dynamo_lite_indexer_blocks", tier="device") <= 2
@@ -262,7 +262,7 @@ def test_recovered_dumps_are_not_counted_as_events() -> None:
     source.apply_events(parse_events_document(events(stored(1, 0, [1, 2], LOCAL[:2]))))
     target = Indexer()
     target.load_dump(source.dump())
-    with TestClient(create_indexer_app(target)) as client:
+    with TestClient(create_indexer_app(indexer=target)) as client:
         samples = scrape(client)
     assert value(samples, "dynamo_lite_indexer_blocks", tier="device") == 2
     assert value(samples, "dynamo_lite_indexer_events_total", outcome="applied") == 0

@@ -29,7 +29,7 @@ class Clock:
 
 def held(tracker: SlotTracker) -> tuple[int, int, int]:
     """(active requests, hash refcount entries over all ranks, entries of the hash index)."""
-    (partition,) = tracker.trackers.values()
+    (partition,) = tracker.partitions.values()
     return (
         len(partition.requests),
         sum(len(slot.block_refs) for slot in partition.slots.values()),

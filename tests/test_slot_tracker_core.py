@@ -1,15 +1,17 @@
-"""The accounting core, without HTTP: examples from the contract, then invariants under
-random lifecycles checked against a plain recomputation."""
+"""The accounting core, without HTTP: examples from the contract, then random lifecycles and
+queries checked against a naive model (sets of hashes per active request, recomputed)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dynamo_lite.errors import Conflict, InvalidArgument, NotFound
+from dynamo_lite.slot_tracker import core
 from dynamo_lite.slot_tracker.core import PotentialLoad, RankLoad, SlotTracker, WorkerInfo
 
 
@@ -100,7 +102,7 @@ def test_register_validation_order(tracker: SlotTracker) -> None:
     with pytest.raises(InvalidArgument, match="overflows"):
         tracker.register(1, "m", "default", 16, 4294963200, 4096)
     tracker.register(1, "m", "default", 16, 4294963199, 4096)
-    assert tracker.trackers  # validation failures never created a tracker before this
+    assert tracker.partitions  # validation failures never created a partition before this
     with pytest.raises(Conflict, match="block_size mismatch for model=m tenant_id=default: existing=16, requested=32"):
         tracker.register(1, "m", "default", 32, 0, 1)
     with pytest.raises(Conflict, match="worker 1 already registered for model=m tenant_id=default"):
@@ -125,7 +127,7 @@ def test_lifecycle_errors(tracker: SlotTracker) -> None:
     tracker.free("m", "default", "zz")  # idempotent
 
 
-def test_unregister_drops_requests_and_last_worker_drops_tracker(tracker: SlotTracker) -> None:
+def test_unregister_drops_requests_and_last_worker_drops_partition(tracker: SlotTracker) -> None:
     tracker.register(1, "m", "t", 16, 0, 2)
     tracker.register(2, "m", "t", 16, 0, 1)
     tracker.add("m", "t", "a", 1, 1, [5, 6], 9)
@@ -137,10 +139,10 @@ def test_unregister_drops_requests_and_last_worker_drops_tracker(tracker: SlotTr
     [projected] = tracker.potential_loads("m", "t", [5, 6, 7], 0)
     assert projected.potential_decode_blocks == 3
     tracker.unregister(2, "m", "t")
-    assert tracker.trackers == {}
+    assert tracker.partitions == {}
     with pytest.raises(NotFound, match="worker 2 not found for model=m tenant_id=t"):
         tracker.unregister(2, "m", "t")
-    tracker.register(1, "m", "t", 64, 0, 1)  # any block size once the tracker is gone
+    tracker.register(1, "m", "t", 64, 0, 1)  # any block size once the partition is gone
 
 
 def test_workers_and_loads_are_sorted_and_filtered(tracker: SlotTracker) -> None:
@@ -173,7 +175,7 @@ def test_stale_requests_expire_after_ttl(clock: FakeClock) -> None:
     assert tracker.expired_total == 1
 
 
-def test_add_sweeps_its_tracker_before_storing(clock: FakeClock) -> None:
+def test_add_sweeps_its_partition_before_storing(clock: FakeClock) -> None:
     tracker = SlotTracker(request_ttl_secs=10, clock=clock)
     tracker.register(1, "m", "default", 16, 0, 1)
     tracker.add("m", "default", "a", 1, 0, [1], 3)
@@ -221,137 +223,259 @@ def test_potential_loads_with_hundreds_of_ranks_credits_every_holder(tracker: Sl
     assert projected == {rank: len(hashes | set(query)) for rank, hashes in held.items()}
 
 
-# --- invariants under random lifecycles ----------------------------------------------------
+def test_a_group_split_after_add_is_still_released_exactly(tracker: SlotTracker) -> None:
+    """b takes half of a's hashes to another rank after a was added: a's release must not
+    trust the groups recorded at its /add, which no longer cover it."""
+    tracker.register(1, "m", "default", 16, 0, 2)
+    tracker.add("m", "default", "a", 1, 0, [1, 2, 3, 4], 0)
+    tracker.add("m", "default", "b", 1, 1, [4, 2], 0)
+    tracker.free("m", "default", "a")
+    assert loads_by_rank(tracker) == {(1, 0): (0, 0), (1, 1): (0, 2)}
+    projected = {p.dp_rank: p.potential_decode_blocks for p in tracker.potential_loads("m", "default", [1, 2, 3], 0)}
+    assert projected == {0: 3, 1: 4}
+    tracker.free("m", "default", "b")
+    assert tracker.partitions[("m", "default")].holders == {}
 
-PREFIXES = [[(p << 20) + i for i in range(n)] for p, n in enumerate([0, 3, 8, 20])]
+
+def test_a_shared_prefix_stays_one_group(tracker: SlotTracker) -> None:
+    """What keeps /add, /free and /potential_loads cheap for chained prompts: requests sharing a
+    prefix touch one group for it, whatever its length, plus one for their own hashes."""
+    for worker in range(4):
+        tracker.register(worker, "m", "default", 16, 0, 2)
+    prefix = list(range(1000, 1128))
+    for i in range(40):
+        tracker.add("m", "default", f"r{i}", i % 4, i % 2, prefix + [-i * 1000 - j for j in range(1, 65)], 0)
+    partition = tracker.partitions[("m", "default")]
+    assert len({id(group) for group in partition.holders.values()}) == 41
+    # The first request's hashes were all new: one group, which the second one split.
+    assert [len(request.groups) for request in partition.requests.values()] == [1] + [2] * 39
+    assert len(partition.holders[prefix[0]].members) == 128
+
+
+# --- random lifecycles against a naive model ---------------------------------------------
+
+
+class NaiveModel:
+    """One partition as the contract states it, recomputed from scratch at every question:
+    a rank's blocks are the union of its active requests' hash sets."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self.ranks: dict[int, list[int]] = {}  # worker -> dp_ranks
+        self.active: dict[str, tuple[int, int, frozenset[int], int, float]] = {}
+
+    def slots(self) -> list[tuple[int, int]]:
+        return [(worker, rank) for worker in sorted(self.ranks) for rank in self.ranks[worker]]
+
+    def held(self, slot: tuple[int, int]) -> set[int]:
+        return set().union(*(r[2] for r in self.active.values() if (r[0], r[1]) == slot))
+
+    def expire(self, now: float) -> None:
+        self.active = {k: r for k, r in self.active.items() if r[4] > now - self.ttl}
+
+    def loads(self) -> list[tuple[int, int, int, int]]:
+        return [
+            (*slot, sum(r[3] for r in self.active.values() if (r[0], r[1]) == slot), len(self.held(slot)))
+            for slot in self.slots()
+        ]
+
+    def potential_loads(self, hashes: list[int], tokens: int) -> list[tuple[int, int, int, int, int]]:
+        rows = []
+        for slot in self.slots():
+            mine = [r for r in self.active.values() if (r[0], r[1]) == slot]
+            rows.append((*slot, sum(r[3] for r in mine) + tokens, len(self.held(slot) | set(hashes)), len(mine)))
+        return rows
+
+
+PREFIXES = [[(p << 20) + i for i in range(n)] for p, n in enumerate([3, 8, 20, 40])]
+POOL = list(range(-8, 24))
 
 
 @st.composite
-def chained_hashes(draw: st.DrawFn) -> list[int]:
+def hash_lists(draw: st.DrawFn) -> list[int]:
+    """Chained prompts (a shared prefix, then own hashes) and what breaks chaining: runs cut
+    from a prefix's middle, shuffled prefixes with repeats, and small-pool hashes that collide
+    across requests in any order, so groups get split and requests touch many of them."""
     prefix = draw(st.sampled_from(PREFIXES))
-    suffix_id = draw(st.integers(0, 50))
-    suffix = [-(suffix_id * 1000 + i) - 1 for i in range(draw(st.integers(0, 6)))]
-    return prefix + suffix
+    kind = draw(st.sampled_from(["chained", "run", "shuffled", "pool", "mixed"]))
+    if kind == "chained":
+        own = draw(st.integers(0, 50))
+        return prefix[: draw(st.integers(0, len(prefix)))] + [-(own * 1000 + i) - 1 for i in range(draw(st.integers(0, 6)))]
+    if kind == "run":
+        start = draw(st.integers(0, len(prefix)))
+        return prefix[start : draw(st.integers(start, len(prefix)))]
+    if kind == "shuffled":
+        chosen = prefix[: draw(st.integers(0, len(prefix)))]
+        return draw(st.permutations(chosen + draw(st.lists(st.sampled_from(prefix), max_size=5))))
+    if kind == "pool":
+        return draw(st.lists(st.sampled_from(POOL), max_size=24))
+    return draw(st.permutations(prefix[: draw(st.integers(0, len(prefix)))] + draw(st.lists(st.sampled_from(POOL), max_size=10))))
 
 
 class LifecycleMachine(RuleBasedStateMachine):
     """Random register/add/prefill/free/expire/unregister; after every step the core's answers
-    equal a from-scratch recomputation over the requests the model believes are active."""
+    equal the naive model's, and its groups are consistent with the active requests."""
+
+    walk_steps: int | None = None  # overrides core._WALK_STEPS, to drive the other path
 
     @initialize()
     def setup(self) -> None:
+        self.saved_walk_steps = core._WALK_STEPS
+        if self.walk_steps is not None:
+            core._WALK_STEPS = self.walk_steps
         self.clock = FakeClock()
         self.tracker = SlotTracker(request_ttl_secs=100, clock=self.clock)
-        self.ranks: dict[int, range] = {}
-        self.active: dict[str, tuple[int, int, list[int], int, float]] = {}
+        self.model = NaiveModel(ttl=100)
         self.next_id = 0
 
     # 70 ranks a worker takes holder masks past 64 and 128 bits, where big-int paths differ.
     @rule(worker=st.integers(1, 4), dp_size=st.integers(1, 3) | st.just(70))
     def register(self, worker: int, dp_size: int) -> None:
-        if worker in self.ranks:
+        if worker in self.model.ranks:
             with pytest.raises(Conflict):
                 self.tracker.register(worker, "m", "default", 16, 0, dp_size)
             return
         self.tracker.register(worker, "m", "default", 16, 0, dp_size)
-        self.ranks[worker] = range(dp_size)
+        self.model.ranks[worker] = list(range(dp_size))
 
-    @precondition(lambda self: self.ranks)
-    @rule(data=st.data(), hashes=chained_hashes(), tokens=st.integers(0, 1000))
+    @precondition(lambda self: self.model.ranks)
+    @rule(data=st.data(), hashes=hash_lists(), tokens=st.integers(0, 1000))
     def add(self, data: st.DataObject, hashes: list[int], tokens: int) -> None:
-        worker = data.draw(st.sampled_from(sorted(self.ranks)))
-        rank = data.draw(st.sampled_from(list(self.ranks[worker])))
-        self._expire_model()
+        worker = data.draw(st.sampled_from(sorted(self.model.ranks)))
+        rank = data.draw(st.sampled_from(self.model.ranks[worker]))
+        self.model.expire(self.clock.now)
         request_id = f"r{self.next_id}"
         self.next_id += 1
         self.tracker.add("m", "default", request_id, worker, rank, hashes, tokens)
-        self.active[request_id] = (worker, rank, hashes, tokens, self.clock.now)
+        self.model.active[request_id] = (worker, rank, frozenset(hashes), tokens, self.clock.now)
 
-    @precondition(lambda self: self.active)
+    @precondition(lambda self: self.model.active)
     @rule(data=st.data())
     def prefill_complete(self, data: st.DataObject) -> None:
-        request_id = data.draw(st.sampled_from(sorted(self.active)))
+        request_id = data.draw(st.sampled_from(sorted(self.model.active)))
         self.tracker.prefill_complete("m", "default", request_id)
-        worker, rank, hashes, _, added = self.active[request_id]
-        self.active[request_id] = (worker, rank, hashes, 0, added)
+        worker, rank, hashes, _, added = self.model.active[request_id]
+        self.model.active[request_id] = (worker, rank, hashes, 0, added)
 
-    @precondition(lambda self: self.active)
+    @precondition(lambda self: self.model.active)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
-        request_id = data.draw(st.sampled_from(sorted(self.active)))
+        request_id = data.draw(st.sampled_from(sorted(self.model.active)))
         self.tracker.free("m", "default", request_id)
-        del self.active[request_id]
+        del self.model.active[request_id]
 
-    @precondition(lambda self: self.ranks)
+    @precondition(lambda self: self.model.ranks)
     @rule(data=st.data())
     def unregister(self, data: st.DataObject) -> None:
-        worker = data.draw(st.sampled_from(sorted(self.ranks)))
+        worker = data.draw(st.sampled_from(sorted(self.model.ranks)))
         self.tracker.unregister(worker, "m", "default")
-        del self.ranks[worker]
-        self.active = {k: v for k, v in self.active.items() if v[0] != worker}
+        del self.model.ranks[worker]
+        self.model.active = {k: r for k, r in self.model.active.items() if r[0] != worker}
 
     @rule(seconds=st.floats(0, 60))
     def time_passes(self, seconds: float) -> None:
         self.clock.now += seconds
         self.tracker.expire()
-        self._expire_model()
+        self.model.expire(self.clock.now)
 
-    @precondition(lambda self: self.ranks)
-    @rule(hashes=chained_hashes(), tokens=st.integers(0, 100))
-    def projection_matches_recomputation(self, hashes: list[int], tokens: int) -> None:
-        expected = {}
-        for worker, ranks in self.ranks.items():
-            for rank in ranks:
-                mine = [v for v in self.active.values() if (v[0], v[1]) == (worker, rank)]
-                held = set().union(*(set(v[2]) for v in mine))
-                expected[(worker, rank)] = (
-                    sum(v[3] for v in mine) + tokens,
-                    len(held | set(hashes)),
-                    len(mine),
-                )
-        got = {
-            (p.worker_id, p.dp_rank): (p.potential_prefill_tokens, p.potential_decode_blocks, p.active_requests)
+    @precondition(lambda self: self.model.ranks)
+    @rule(hashes=hash_lists(), tokens=st.integers(0, 100))
+    def potential_loads_match_the_model(self, hashes: list[int], tokens: int) -> None:
+        got = [
+            (p.worker_id, p.dp_rank, p.potential_prefill_tokens, p.potential_decode_blocks, p.active_requests)
             for p in self.tracker.potential_loads("m", "default", hashes, tokens)
-        }
-        assert got == expected
-
-    def _expire_model(self) -> None:
-        deadline = self.clock.now - 100
-        self.active = {k: v for k, v in self.active.items() if v[4] > deadline}
+        ]
+        assert got == self.model.potential_loads(hashes, tokens)
 
     @invariant()
-    def loads_match_active_requests(self) -> None:
+    def loads_match_the_model(self) -> None:
         if not hasattr(self, "tracker"):
             return
-        for key, (tokens, blocks) in loads_by_rank(self.tracker).items():
-            mine = [v for v in self.active.values() if (v[0], v[1]) == key]
-            assert tokens == sum(v[3] for v in mine)
-            assert blocks == len(set().union(*(set(v[2]) for v in mine)))
+        got = [(load.worker_id, load.dp_rank, load.active_prefill_tokens, load.active_decode_blocks)
+               for load in self.tracker.loads()]
+        assert got == self.model.loads()
 
     @invariant()
-    def refcount_is_number_of_requests_holding_the_hash(self) -> None:
-        if not hasattr(self, "tracker") or not self.ranks:
+    def groups_hold_what_the_requests_hold(self) -> None:
+        """Every held hash's group has, per slot, the number of that slot's active requests
+        holding the hash; a slot's set is the union of its requests' hashes; and each request's
+        recorded groups lie inside it (they may no longer cover it after later splits)."""
+        if not hasattr(self, "tracker") or not self.model.ranks:
             return
-        tracker = self.tracker.trackers[("m", "default")]
-        for (worker, rank), slot in tracker.slots.items():
-            mine = [v for v in self.active.values() if (v[0], v[1]) == (worker, rank)]
-            expected = {}
-            for v in mine:
-                for h in set(v[2]):
-                    expected[h] = expected.get(h, 0) + 1
-            assert slot.block_refs == expected
-        for block_hash, mask in tracker.holders.items():
-            assert mask == sum(s.bit for s in tracker.slots.values() if block_hash in s.block_refs)
-        assert all(any(h in s.block_refs for s in tracker.slots.values()) for h in tracker.holders) or not tracker.holders
+        partition = self.tracker.partitions[("m", "default")]
+        index = {key: slot.index for key, slot in partition.slots.items()}
+        expected_refs: dict[int, dict[int, int]] = {}
+        for worker, rank, hashes, _, _ in self.model.active.values():
+            for block_hash in hashes:
+                refs = expected_refs.setdefault(block_hash, {})
+                refs[index[(worker, rank)]] = refs.get(index[(worker, rank)], 0) + 1
+        assert partition.holders.keys() == expected_refs.keys()
+        for block_hash, group in partition.holders.items():
+            assert block_hash in group.members and group.size == len(group.members)
+            assert group.refs == expected_refs[block_hash]
+            assert group.mask == sum(1 << i for i in group.refs)
+            assert all(partition.holders[member] is group for member in group.members)
+        for key, slot in partition.slots.items():
+            assert slot.block_refs == self.model.held(key)
+        for request_id, request in partition.requests.items():
+            hashes = self.model.active[request_id][2]
+            assert request.block_count == len(hashes)
+            assert all(group.members <= hashes for group in request.groups)
 
     def teardown(self) -> None:
+        core._WALK_STEPS = getattr(self, "saved_walk_steps", core._WALK_STEPS)
         if not hasattr(self, "tracker"):
             return
-        for request_id in list(self.active):
+        for request_id in list(self.model.active):
             self.tracker.free("m", "default", request_id)
-        assert all(load == (0, 0) for load in loads_by_rank(self.tracker).values())
-        for tracker in self.tracker.trackers.values():
-            assert tracker.holders == {} and not tracker.requests
+        assert all(load.active_decode_blocks == load.active_prefill_tokens == 0 for load in self.tracker.loads())
+        for partition in self.tracker.partitions.values():
+            assert partition.holders == {} and not partition.requests
+
+
+class NoWalkLifecycleMachine(LifecycleMachine):
+    """Every group lookup through the one-pass fallback, which the walk otherwise spares."""
+
+    walk_steps = 0
+
+
+class OneStepWalkLifecycleMachine(LifecycleMachine):
+    walk_steps = 1
 
 
 TestLifecycle = LifecycleMachine.TestCase
+TestLifecycleWithoutWalk = NoWalkLifecycleMachine.TestCase
+TestLifecycleOneStepWalk = OneStepWalkLifecycleMachine.TestCase
+
+
+@pytest.mark.parametrize("walk_steps", [0, 2, core._WALK_STEPS])
+@settings(max_examples=300)
+@given(
+    placed=st.lists(st.tuples(st.integers(0, 5), hash_lists()), max_size=30),
+    freed=st.sets(st.integers(0, 29)),
+    query=hash_lists(),
+)
+def test_potential_loads_equal_the_naive_count(
+    walk_steps: int, placed: list[tuple[int, list[int]]], freed: set[int], query: list[int]
+) -> None:
+    """Many requests at once, some freed again (splits leave the survivors' groups cut), then
+    one query: each rank's projection is its distinct hashes united with the query's."""
+    saved, core._WALK_STEPS = core._WALK_STEPS, walk_steps
+    try:
+        tracker = SlotTracker()
+        tracker.register(1, "m", "default", 16, 0, 3)
+        tracker.register(2, "m", "default", 16, 0, 3)
+        held: dict[int, list[frozenset[int]]] = {slot: [] for slot in range(6)}
+        for i, (slot, hashes) in enumerate(placed):
+            tracker.add("m", "default", f"r{i}", 1 + slot // 3, slot % 3, hashes, 0)
+            if i in freed:
+                continue
+            held[slot].append(frozenset(hashes))
+        for i in freed & set(range(len(placed))):
+            tracker.free("m", "default", f"r{i}")
+        projected = [p.potential_decode_blocks for p in tracker.potential_loads("m", "default", query, 0)]
+        assert projected == [len(set(query).union(*held[slot])) for slot in range(6)]
+        assert [load.active_decode_blocks for load in tracker.loads()] == [
+            len(set().union(*held[slot])) for slot in range(6)]
+    finally:
+        core._WALK_STEPS = saved

@@ -24,17 +24,17 @@ class SlotTrackerCollector(Collector):
         self.tracker = tracker
 
     def collect(self) -> Iterator[Metric]:
-        trackers = list(self.tracker.trackers.values())
+        partitions = list(self.tracker.partitions.values())
         workers = ranks = requests = tracked = decode_blocks = prefill_tokens = 0
-        for tracker in trackers:
-            workers += len(tracker.workers)
-            ranks += len(tracker.slots)
-            requests += len(tracker.requests)
-            tracked += len(tracker.holders)
-            for slot in tracker.slots.values():
+        for partition in partitions:
+            workers += len(partition.workers)
+            ranks += len(partition.slots)
+            requests += len(partition.requests)
+            tracked += len(partition.holders)
+            for slot in partition.slots.values():
                 decode_blocks += len(slot.block_refs)
                 prefill_tokens += slot.prefill_tokens
-        yield GaugeMetricFamily(NAMESPACE + "partitions", "(model_name, tenant_id) partitions", len(trackers))
+        yield GaugeMetricFamily(NAMESPACE + "partitions", "(model_name, tenant_id) partitions", len(partitions))
         yield GaugeMetricFamily(NAMESPACE + "workers", "registered workers", workers)
         yield GaugeMetricFamily(NAMESPACE + "ranks", "registered data-parallel ranks of all workers", ranks)
         yield GaugeMetricFamily(NAMESPACE + "active_requests", "requests added and not yet freed or expired", requests)
