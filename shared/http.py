@@ -60,7 +60,13 @@ class ClientDisconnected(Exception):
     """The client went away before its body arrived; there is nobody to answer."""
 
 
+class Encoded(bytes):
+    """A payload already encoded as JSON (an answer built once and reused): sent as it is."""
+
+
 def encode(payload: JsonPayload) -> bytes:
+    if type(payload) is Encoded:
+        return payload
     try:
         return orjson.dumps(payload)
     except TypeError:

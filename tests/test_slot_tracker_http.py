@@ -10,6 +10,7 @@ from http_support import JSON, assert_error, post
 from starlette.testclient import TestClient
 
 from dynamo_lite.slot_tracker.app import create_app
+from dynamo_lite.slot_tracker.core import SlotTracker
 
 REGISTER = {"worker_id": 7, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 2}
 
@@ -227,3 +228,39 @@ def test_integers_out_of_range_are_named_as_such(client: TestClient) -> None:
                  "expected i64")
     assert_error(post(client, "/add", {**add, "sequence_hashes": [1.5]}), 422,
                  "sequence_hashes[0]: invalid type: floating point number, expected i64")
+
+
+def test_loads_answers_are_reused_only_while_nothing_changed() -> None:
+    """`/loads` is encoded once per tracker state; every kind of write must show in the next one."""
+    tracker = SlotTracker(request_ttl_secs=60, clock=lambda: now[0])
+    now = [0.0]
+    app = create_app(tracker)
+    with TestClient(app) as client:
+        seen = []
+
+        def loads(query: str = "") -> list:
+            answer = client.get("/loads" + query)
+            assert answer.status_code == 200
+            seen.append(answer.content)
+            return answer.json()
+
+        assert loads() == []
+        post(client, "/register", REGISTER)
+        assert len(loads()) == 2
+        add = {"model_name": "m", "request_id": "r", "worker_id": 7, "dp_rank": 1, "sequence_hashes": [1, 2],
+               "new_isl_tokens": 32}
+        post(client, "/add", add)
+        assert [row["active_decode_blocks"] for row in loads()] == [0, 2]
+        assert loads("?model_name=m") == loads() and loads("?model_name=x") == []
+        post(client, "/prefill_complete", {"model_name": "m", "request_id": "r"})
+        assert [row["active_prefill_tokens"] for row in loads()] == [0, 0]
+        post(client, "/add", {**add, "request_id": "s", "sequence_hashes": [3]})
+        assert [row["active_decode_blocks"] for row in loads()] == [0, 3]
+        post(client, "/free", {"model_name": "m", "request_id": "r"})
+        assert [row["active_decode_blocks"] for row in loads()] == [0, 1]
+        now[0] = 61.0
+        assert tracker.expire() == 1
+        assert [row["active_decode_blocks"] for row in loads()] == [0, 0]
+        post(client, "/unregister", {"worker_id": 7, "model_name": "m"})
+        assert loads() == [] and loads() == []
+        assert seen[-1] == seen[-2] == b"[]"

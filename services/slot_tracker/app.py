@@ -29,6 +29,7 @@ DEFAULT_SWEEP_INTERVAL_SECS = 1.0
 
 OK = {"status": "ok"}
 _FILTERS = frozenset({"model_name", "tenant_id", "routing_group"})
+_LOADS_CACHE_SIZE = 64
 
 Tenant = Union[str, UnsetType]
 
@@ -142,6 +143,8 @@ class SlotTrackerRoutes:
 
     def __init__(self, tracker: SlotTracker) -> None:
         self.tracker = tracker
+        # /loads answers by filter, with the tracker version they were built at.
+        self._loads: dict[tuple[str | None, str | None], tuple[int, http.Encoded]] = {}
 
     def register(self, request: RegisterRequest) -> HandlerResult:
         self.tracker.register(request.worker_id, request.model_name, _tenant(request), request.block_size,
@@ -170,8 +173,17 @@ class SlotTrackerRoutes:
         return 200, OK
 
     def loads(self, params: QueryParams) -> HandlerResult:
-        model_name, tenant_id = _filters(params)
-        return 200, self.tracker.loads(model_name, tenant_id)
+        """Built once per state: gateways poll /loads far more often than loads change."""
+        filters = _filters(params)
+        version = self.tracker.version
+        cached = self._loads.get(filters)
+        if cached is not None and cached[0] == version:
+            return 200, cached[1]
+        answer = http.Encoded(http.encode(self.tracker.loads(*filters)))
+        if len(self._loads) >= _LOADS_CACHE_SIZE:
+            self._loads.clear()  # filters come from clients: keep the cache bounded
+        self._loads[filters] = (version, answer)
+        return 200, answer
 
     def potential_loads(self, request: PotentialLoadsRequest) -> HandlerResult:
         return 200, self.tracker.potential_loads(request.model_name, _tenant(request), request.sequence_hashes,

@@ -186,6 +186,9 @@ class SlotTracker:
         self.clock = clock
         self.partitions: dict[PartitionKey, Partition] = {}
         self.expired_total = 0
+        # Bumped by every call that may change a load (failed ones too): answers built from
+        # the state, such as `/loads`, stay valid while it is unchanged.
+        self.version = 0
 
     # --- topology -------------------------------------------------------------------------
 
@@ -198,6 +201,7 @@ class SlotTracker:
         dp_start: int,
         dp_size: int,
     ) -> None:
+        self.version += 1
         if block_size == 0:
             raise InvalidArgument("block_size must be greater than 0")
         if dp_size == 0:
@@ -229,6 +233,7 @@ class SlotTracker:
 
     def unregister(self, worker_id: int, model_name: str, tenant_id: str) -> None:
         """Drop the worker's ranks and their requests; the partition goes with its last worker."""
+        self.version += 1
         key = (model_name, tenant_id)
         partition = self.partitions.get(key)
         worker = partition.workers.get(worker_id) if partition is not None else None
@@ -271,6 +276,7 @@ class SlotTracker:
         sequence_hashes: list[int],
         new_isl_tokens: int = 0,
     ) -> None:
+        self.version += 1
         partition = self._partition(model_name, tenant_id)
         now = self.clock()
         self._expire_partition(partition, now)
@@ -317,6 +323,7 @@ class SlotTracker:
         )
 
     def prefill_complete(self, model_name: str, tenant_id: str, request_id: str) -> None:
+        self.version += 1
         partition = self._partition(model_name, tenant_id)
         request = partition.requests.get(request_id)
         if request is None:
@@ -326,6 +333,7 @@ class SlotTracker:
 
     def free(self, model_name: str, tenant_id: str, request_id: str) -> None:
         """Idempotent: an unknown request is already free."""
+        self.version += 1
         partition = self._partition(model_name, tenant_id)
         request = partition.requests.pop(request_id, None)
         if request is not None:
@@ -373,7 +381,10 @@ class SlotTracker:
     def expire(self) -> int:
         """Free every request older than the TTL; returns how many. Cost: O(expired + partitions)."""
         now = self.clock()
-        return sum(self._expire_partition(p, now) for p in list(self.partitions.values()))
+        expired = sum(self._expire_partition(p, now) for p in list(self.partitions.values()))
+        if expired:
+            self.version += 1
+        return expired
 
     # --- internals ------------------------------------------------------------------------
 
