@@ -15,6 +15,9 @@ import random
 import time
 import tracemalloc
 
+import orjson
+
+from dynamo_lite.cli import YOUNG_ONLY_GC_THRESHOLDS
 from dynamo_lite.hashing import to_signed
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer
@@ -44,8 +47,10 @@ def memory_one_worker(blocks: int, *, traced: bool, chain: int = 64) -> float:
     return used / blocks
 
 
-def ingest_rate(blocks: int, batch: int = 64, workers: int = 16) -> float:
-    """Blocks per second through parse + apply, 64-block stored events from 16 workers."""
+def ingest_rate(blocks: int, batch: int = 64, workers: int = 16, tuned_gc: bool = False) -> float:
+    """Blocks per second through parse + apply, 64-block stored events from 16 workers.
+    `tuned_gc`: with the garbage collector thresholds the indexer service sets at start-up
+    (`dynamo_lite.cli.YOUNG_ONLY_GC_THRESHOLDS`), else Python's defaults."""
     rng = random.Random(11)
     documents = []
     event_ids = [0] * workers
@@ -60,15 +65,23 @@ def ingest_rate(blocks: int, batch: int = 64, workers: int = 16) -> float:
         tails[worker] = externals[-1] if rng.random() < 0.8 else None
         documents.append({"bench:default": {"block_size": 16, "events": [event]}})
     indexer = Indexer()
-    started = time.perf_counter()
-    for document in documents:
-        indexer.apply_events(parse_events_document(document))
-    return blocks / (time.perf_counter() - started)
+    thresholds = gc.get_threshold()
+    if tuned_gc:
+        gc.set_threshold(*YOUNG_ONLY_GC_THRESHOLDS)
+    try:
+        started = time.perf_counter()
+        for document in documents:
+            indexer.apply_events(parse_events_document(document))
+        return blocks / (time.perf_counter() - started)
+    finally:
+        gc.set_threshold(*thresholds)
 
 
-def query_time(workers: int = 16, length: int = 512, signed: bool = False) -> float:
+def query_time(workers: int = 16, length: int = 512, signed: bool = False, parsed: bool = False) -> float:
     """Microseconds for a 512-hash query that every one of 16 workers holds 256..512 deep;
-    `signed` sends the hashes as i64, as `/query_by_hash` receives them."""
+    `signed` sends the hashes as i64, as `/query_by_hash` receives them. `parsed`: the hashes
+    are int objects of their own, as a request body's JSON gives them, not the very objects
+    the index stores (an equality test of two such ints cannot stop at their identity)."""
     rng = random.Random(3)
     chain = [rng.getrandbits(64) for _ in range(length)]
     indexer = Indexer()
@@ -80,6 +93,8 @@ def query_time(workers: int = 16, length: int = 512, signed: bool = False) -> fl
                                             for i, h in enumerate(chain[:depth])]}}}})
     indexer.apply_events(parse_events_document({"bench:default": {"block_size": 16, "events": events}}))
     query = [to_signed(h) for h in chain] if signed else chain
+    if parsed:
+        query = orjson.loads(orjson.dumps(query))
     runs = 2000
     started = time.perf_counter()
     for _ in range(runs):
@@ -95,8 +110,12 @@ def main() -> None:
     traced = memory_one_worker(args.blocks, traced=True)
     print(f"memory, {args.blocks} blocks on one worker: {traced:.0f} B/block (tracemalloc), {rss:.0f} B/block (RSS)")
     print(f"ingest, 64-block stored events, 16 workers: {ingest_rate(min(args.blocks, 500_000)):,.0f} blocks/s")
+    print(f"ingest, the same with the indexer service's GC thresholds: "
+          f"{ingest_rate(min(args.blocks, 500_000), tuned_gc=True):,.0f} blocks/s")
     print(f"query, 512 u64 hashes, 16 workers: {query_time():.1f} us")
     print(f"query, 512 i64 hashes, 16 workers: {query_time(signed=True):.1f} us")
+    print(f"query, 512 u64 hashes parsed from JSON, 16 workers: {query_time(parsed=True):.1f} us")
+    print(f"query, 512 i64 hashes parsed from JSON, 16 workers: {query_time(signed=True, parsed=True):.1f} us")
 
 
 if __name__ == "__main__":

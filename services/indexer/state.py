@@ -125,6 +125,8 @@ class Indexer:
         self.events_skipped_total = 0
         self.events_rejected_total = 0
         self.event_gaps_total = 0
+        # (instance, dp_rank) -> their JSON keys, str(instance) and str(dp_rank), for queries.
+        self._labels: dict[WorkerKey, tuple[str, str]] = {}
 
     # --- workers ------------------------------------------------------------------------------
 
@@ -175,6 +177,7 @@ class Indexer:
         for key in doomed:
             del owner.ranks[key]
             owner.tree.drop_worker(key)
+            self._labels.pop(key, None)
         if not any(key[0] == instance_id for key in owner.ranks):
             del self._owner[instance_id]
         if not owner.ranks:
@@ -382,9 +385,13 @@ class Indexer:
         scores: dict[str, dict[str, int]] = {}
         instances: dict[str, dict[str, Any]] = {}
         if not host and not disk:
-            for (instance_id, dp_rank), blocks in sorted(device.items()):
-                tokens = blocks * block_size
-                name, rank = str(instance_id), str(dp_rank)
+            labels = self._labels
+            for key in sorted(device):
+                tokens = device[key] * block_size
+                label = labels.get(key)
+                if label is None:
+                    label = labels[key] = (str(key[0]), str(key[1]))
+                name, rank = label
                 per_rank = scores.get(name)
                 if per_rank is None:
                     scores[name] = {rank: tokens}

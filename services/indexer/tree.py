@@ -15,6 +15,7 @@ engines gave it. Each worker slot owns one bit; a node keeps
   first writer's, its quirk Q1).
 * `child`: None, the only child Node (the common case: a chain), or a dict local hash -> Node
   at branch points; `parent`: for pruning.
+* `run`: the `Run` this node is in, if a query made one (see "Runs" below).
 
 Each slot maps ITS OWN external hashes to nodes (`WorkerSlot.blocks`), which is how stores
 find their parent and removals find their block.
@@ -37,6 +38,25 @@ compressed edges happened to be split. Costs: removing a block visits its childr
 slot's held subtree below it when that is not empty (zero for tail-first eviction); a
 re-store visits the dormant subtree it revives. `dormant` is empty unless an engine evicts
 mid-chain, and then costs nothing on the query path.
+
+Runs: the query's fast path
+---------------------------
+Walking a 512-block query node by node costs ~50 ns of bytecode per block. A match therefore
+leaves `Run`s behind on the paths it walked: a run is a list of consecutive nodes of one path
+(through branch points too), with their local hashes as a list (u64 and/or i64, each made when
+a query first needs it) and the holders changes along it (`marks`, and the stops a match
+records there, which never change while the run stands). A later match that reaches a run's
+first node compares the query with the run's hashes in one C-level list comparison, takes the
+run's stops, and goes on from its last node; where the query differs inside the run, a binary
+search of slice comparisons finds the first difference and the walk continues node by node
+from there (into another branch, if there is one). The answer is the node-by-node walk's, stop
+for stop, whatever the mix of u64 and i64 forms in the query.
+
+A run is only true while the holders of its nodes stay as they were: every change of a node's
+holders first cuts the node's run just above it (`_cut`, which pops the nodes from the end, so
+a tail-first removal costs O(1)); new children and pruned side branches do not change a path.
+So `node.run is run` exactly when `node in run.nodes`. Runs cost a slot per node, and per node
+in a run a list entry per form made (plus an int object for each i64 hash that is negative).
 
 Lower tiers (host_pinned, disk, external)
 -----------------------------------------
@@ -62,10 +82,12 @@ blocks are dropped oldest store first (queries do not touch them).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from bisect import bisect_left
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import attrgetter
 from typing import Any, Optional, Union
 
 from dynamo_lite.hashing import U64_MODULUS, to_unsigned_list
@@ -82,7 +104,7 @@ TransitionKey = tuple[Optional[int], int]  # (parent external hash | None, local
 
 
 class Node:
-    __slots__ = ("local", "ext", "holders", "child", "parent")
+    __slots__ = ("local", "ext", "holders", "child", "parent", "run")
 
     def __init__(self, local: int, ext: int, parent: Node | None, holders: int) -> None:
         self.local = local
@@ -90,6 +112,140 @@ class Node:
         self.holders = holders
         self.child: Any = None  # None | Node | dict[int, Node]: one child is the norm
         self.parent = parent
+        self.run: Run | None = None  # the run this node is in, if a query made one
+
+
+# Queries make runs of at least this many nodes (shorter stretches are walked node by node).
+MIN_RUN = 8
+_I64_LIMIT = 2**63
+
+Stop = tuple[int, int, "Node"]  # (slots that stop here, depth, last node they hold)
+
+
+class Run:
+    """A path of nodes that a match walked: a later match that reaches its first node compares
+    the query against the run's local hashes in one C-level list comparison instead of node by
+    node, and takes the holders changes along it from `stops`.
+
+    Holders changes cut the run just above the node (`_cut`), so `node.run is run` exactly
+    when `node in run.nodes`, and `stops` stays true. New children (branches) and lost ones
+    leave the path as it is, and so the run."""
+
+    __slots__ = ("nodes", "start", "marks", "stops", "unsigned", "signed")
+
+    def __init__(self, nodes: list[Node], start: int, marks: list[int], stops: list[Stop]) -> None:
+        self.nodes = nodes
+        self.start = start  # the query position of the first node (its depth in the tree - 1)
+        # Indexes i >= 1 of the nodes whose holders differ from node i - 1's, and the stop a
+        # match records there: (the slots that do not go on, the node's depth, node i - 1).
+        self.marks = marks
+        self.stops = stops
+        self.unsigned: list[int] | None = None  # the nodes' local hashes, built on first use
+        self.signed: list[int] | None = None  # the same as i64, built on first use
+        for node in nodes:
+            node.run = self
+
+    def form(self, signed: bool) -> list[int]:
+        """The nodes' local hashes as u64 or as i64: each form is made when a query first
+        needs it (a service answering `/query_by_hash` alone never makes the u64 one)."""
+        if signed:
+            form = self.signed
+            if form is None:
+                form = self.signed = _signed_form(self.nodes)
+        else:
+            form = self.unsigned
+            if form is None:
+                form = self.unsigned = list(map(_local_of, self.nodes))
+        return form
+
+    def extend(self, nodes: list[Node], marks: list[int], stops: list[Stop]) -> None:
+        offset = len(self.nodes)
+        self.nodes.extend(nodes)
+        for node in nodes:
+            node.run = self
+        if marks:
+            self.marks.extend([mark + offset for mark in marks])
+            self.stops.extend(stops)
+        if self.unsigned is not None:
+            self.unsigned.extend(map(_local_of, nodes))
+        if self.signed is not None:
+            self.signed.extend(_signed_form(nodes))
+
+
+_local_of = attrgetter("local")
+
+
+def _signed_form(nodes: list[Node]) -> list[int]:
+    return [value - U64_MODULUS if value >= _I64_LIMIT else value for value in map(_local_of, nodes)]
+
+
+def _cut(node: Node) -> None:
+    """`node`'s holders are about to change: end its run just above it."""
+    run = node.run
+    assert run is not None
+    nodes = run.nodes
+    while True:
+        last = nodes.pop()
+        last.run = None
+        if last is node:
+            break
+    kept = len(nodes)
+    marks = run.marks
+    while marks and marks[-1] >= kept:
+        marks.pop()
+        run.stops.pop()
+    if run.unsigned is not None:
+        del run.unsigned[kept:]
+    if run.signed is not None:
+        del run.signed[kept:]
+
+
+def _settle_run(pending: list[Node], end: int, marks: list[int], stops: list[Stop], extend: Run | None) -> None:
+    """Nodes a match walked one by one, up to query position `end`: a run of their own, or
+    the continuation of `extend`, the run walked whole just before them."""
+    if extend is not None:
+        extend.extend(pending, marks, stops)
+    elif len(pending) >= MIN_RUN:
+        Run(pending, end - len(pending), marks, stops)
+
+
+_consume = deque(maxlen=0).extend  # runs an iterator to its end in C
+
+
+def _common(query: list[int], start: int, end: int, run: Run, signed: bool) -> tuple[int, bool]:
+    """How many of the run's nodes `query[start:end]` matches (at least its first, which the
+    caller matched), and whether the query was last seen in i64 form. Compares whole slices;
+    a hash may be u64 or i64, even mixed within one query."""
+    nodes = run.nodes
+    size = len(nodes)
+    count = end - start
+    if count > size:
+        count = size
+    position = 0
+    while True:
+        form = run.form(signed)
+        if position == 0 and count == size:
+            if query[start : start + size] == form:
+                return count, signed
+        elif query[start + position : start + count] == form[position:count]:
+            return count, signed
+        # Binary search for the first literal difference at or after `position`.
+        low, high = position, count - 1
+        while low < high:
+            middle = (low + high) >> 1
+            if query[start + low : start + middle + 1] == form[low : middle + 1]:
+                low = middle + 1
+            else:
+                high = middle
+        value = query[start + low]
+        if value < 0:
+            value += U64_MODULUS
+        if value != nodes[low].local:
+            return low, signed
+        signed = not signed  # the same hash in the other form: carry on in that form
+        position = low + 1
+        if position == count:
+            return count, signed
 
 
 class Edge:
@@ -135,7 +291,8 @@ class MatchResult:
 
 
 class PrefixTree:
-    """The index of one partition. Not thread-safe; all methods are synchronous and pure."""
+    """The index of one partition. Not thread-safe; all methods are synchronous and pure
+    (`match` updates runs and, with a limit, recency: both invisible in answers)."""
 
     def __init__(self, max_blocks: int = 0) -> None:
         """`max_blocks` 0: unlimited; otherwise the limit described in the module notes."""
@@ -278,6 +435,8 @@ class PrefixTree:
             if dormant and dormant.get(node, 0) & bit:
                 continue
             if active:
+                if node.run is not None:
+                    _cut(node)
                 node.holders = bit if not holders else holders | bit
                 if dormant and node.child is not None:
                     self._promote(node, bit)
@@ -372,6 +531,8 @@ class PrefixTree:
                     else:
                         del dormant[candidate]
                     holders = candidate.holders
+                    if candidate.run is not None:
+                        _cut(candidate)
                     candidate.holders = bit if not holders else holders | bit
                     stack.append(candidate)
 
@@ -403,6 +564,8 @@ class PrefixTree:
                 overrides.pop(node, None)
             holders = node.holders
             if holders & bit:
+                if node.run is not None:
+                    _cut(node)
                 holders ^= bit
                 node.holders = canonical.get(holders, holders)
                 if node.child is not None:
@@ -433,6 +596,8 @@ class PrefixTree:
             for candidate in (child,) if child.__class__ is Node else child.values():
                 holders = candidate.holders
                 if holders & bit:
+                    if candidate.run is not None:
+                        _cut(candidate)
                     holders ^= bit
                     candidate.holders = canonical.get(holders, holders)
                     dormant[candidate] = dormant.get(candidate, 0) | bit
@@ -490,6 +655,8 @@ class PrefixTree:
         for node in nodes:
             holders = node.holders
             if holders & bit:
+                if node.run is not None:
+                    _cut(node)
                 holders ^= bit
                 node.holders = canonical.get(holders, holders)
             else:
@@ -523,14 +690,30 @@ class PrefixTree:
         stops = self._match_device(local_hashes)
         recent = self._recent
         if recent is not None and stops:
-            # Deepest first, so every prefix ends up more recent than what lies below it.
-            node = stops[-1][2]
+            # Deepest first, so every prefix ends up more recent than what lies below it; a
+            # run's part of the path in one C-level pass.
+            _, depth, node = stops[-1]
+            index = depth - 1  # the query position of `node`
             root = self.root
+            move = recent.move_to_end
             while node is not root:
-                recent.move_to_end(node)
-                node = node.parent
+                run = node.run
+                if run is None:
+                    move(node)
+                    node = node.parent
+                    index -= 1
+                    continue
+                top = run.start
+                nodes = run.nodes
+                _consume(map(move, reversed(nodes[: index - top + 1])))
+                node = nodes[0].parent
+                index = top - 1
         device: dict[WorkerKey, int] = {}
         for mask, depth, _node in stops:
+            slot = by_bit.get(mask)
+            if slot is not None:  # the common case: one slot stops here
+                device[slot.key] = depth
+                continue
             while mask:
                 low = mask & -mask
                 device[by_bit[low].key] = depth
@@ -541,20 +724,31 @@ class PrefixTree:
             self._match_lower(to_unsigned_list(local_hashes), stops, result)
         return result
 
-    def _match_device(self, local_hashes: Sequence[int]) -> list[tuple[int, int, Node]]:
+    def _match_device(self, local_hashes: Sequence[int]) -> list[Stop]:
         """(slots, depth, last node) for each group of slots that stopped at the same depth.
-        This loop is the query's hot path. Hashes may be i64 (as `/query_by_hash` sends them):
-        converting each one only when the walk reaches it costs a compare per matched block,
-        where converting the whole query first cost 13 us per 512 hashes however short the
-        match."""
-        stops: list[tuple[int, int, Node]] = []
+        This loop is the query's hot path. Hashes may be u64 or i64 (as `/query_by_hash`
+        sends them), even mixed. Where a previous match left a `Run`, the walk compares the
+        query against the run's hashes a list slice at a time (C speed) and jumps to where
+        they differ; elsewhere it goes node by node, converting each hash only when it gets
+        there, and leaves runs behind for the next match."""
+        stops: list[Stop] = []
+        query = local_hashes if local_hashes.__class__ is list else list(local_hashes)
+        end = len(query)
         node_class = Node
         node = self.root
         alive = -1  # every slot, until the first node says who holds it
         depth = 0
-        for depth, local in enumerate(local_hashes):
+        signed = False  # whether the query was last seen in i64 form: the run form to try first
+        # Nodes walked one by one since the last run, with the holders changes among them.
+        pending: list[Node] = []
+        marks: list[int] = []
+        pending_stops: list[Stop] = []
+        extend: Run | None = None  # the run walked whole just before `pending`
+        while depth < end:
+            local = query[depth]
             if local < 0:
                 local += U64_MODULUS
+                signed = True
             child = node.child
             if child.__class__ is node_class:
                 if child.local != local:
@@ -566,16 +760,46 @@ class PrefixTree:
                 if child is None:
                     break
             holders = child.holders
+            run = child.run
             if holders != alive:
                 # Masks are prefix-closed, so `holders` is a subset of `alive`.
                 if depth:
-                    stops.append((alive ^ holders, depth, node))
+                    stop = (alive ^ holders, depth, node)
+                    stops.append(stop)
                 alive = holders
                 if not holders:
                     break
-            node = child
-        else:
-            depth = len(local_hashes)
+                if run is None and (pending or extend is not None):
+                    marks.append(len(pending))  # where `child` goes
+                    pending_stops.append(stop)
+            if run is None:
+                pending.append(child)
+                depth += 1
+                node = child
+                continue
+            if pending:
+                _settle_run(pending, depth, marks, pending_stops, extend)
+                pending = []
+                marks = []
+                pending_stops = []
+            # `child` heads its run: a run's other nodes can only be reached through it.
+            matched, signed = _common(query, depth, end, run, signed)
+            nodes = run.nodes
+            node = nodes[matched - 1]
+            run_marks = run.marks
+            if matched == len(nodes):
+                extend = run
+                if run_marks:
+                    stops.extend(run.stops)
+                    alive = node.holders
+            else:
+                extend = None
+                if run_marks and run_marks[0] < matched:
+                    stops.extend(run.stops[: bisect_left(run_marks, matched)])
+                    alive = node.holders
+            depth += matched
+        if pending:
+            _settle_run(pending, depth, marks, pending_stops, extend)
         if depth and alive:
             stops.append((alive, depth, node))
         return stops
@@ -640,7 +864,9 @@ class PrefixTree:
         dormant = self.dormant
         by_bit = self._by_bit
         dropped = 0
-        for member in reversed(doomed):
+        for member in reversed(doomed):  # deepest first: each cut ends a run one node sooner
+            if member.run is not None:
+                _cut(member)
             mask = member.holders | dormant.pop(member, 0)
             if member is not top:
                 recent.pop(member, None)
