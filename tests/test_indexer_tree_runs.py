@@ -323,7 +323,9 @@ TestRuns.settings = settings(
 # --- the model suites again, with runs everywhere ----------------------------------------------
 
 
-class SmallRunsIndexModel(model_suite.IndexModel):
+class SmallRuns:
+    """Makes a run of even the shortest stretch while the state machine runs."""
+
     def __init__(self) -> None:
         super().__init__()
         self._min_run = tree_module.MIN_RUN
@@ -331,7 +333,10 @@ class SmallRunsIndexModel(model_suite.IndexModel):
 
     def teardown(self) -> None:
         tree_module.MIN_RUN = self._min_run
+        super().teardown()  # type: ignore[misc]
 
+
+class SmallRunsIndexModel(SmallRuns, model_suite.IndexModel):
     @invariant()
     def runs_are_true(self) -> None:
         if hasattr(self, "tree"):
@@ -340,15 +345,7 @@ class SmallRunsIndexModel(model_suite.IndexModel):
                 assert self.tree.match(prompt) == plain_match(self.tree, prompt)
 
 
-class SmallRunsEviction(eviction_suite.EvictionMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self._min_run = tree_module.MIN_RUN
-        tree_module.MIN_RUN = 1
-
-    def teardown(self) -> None:
-        tree_module.MIN_RUN = self._min_run
-
+class SmallRunsEviction(SmallRuns, eviction_suite.EvictionMachine):
     @invariant()
     def runs_are_true(self) -> None:
         if hasattr(self, "tree"):
