@@ -1,7 +1,8 @@
 """Active-request accounting per (model_name, tenant_id) partition, with no I/O.
 
 Per rank slot, `active_decode_blocks` is the number of distinct block hashes held by its active
-requests (a hash repeated inside one request counts once); a hash stays counted until the last
+requests (a hash repeated inside one request counts once), plus the output blocks its requests
+hold (`/output_blocks`, never shared, so summed per slot); a hash stays counted until the last
 request of that slot holding it leaves. Per partition:
 
 * `holders` maps each hash held by an active request to its `Group`: hashes that the same slots
@@ -53,7 +54,9 @@ PartitionKey = tuple[str, str]
 class RankSlot:
     """One (worker_id, dp_rank) with its own load."""
 
-    __slots__ = ("worker_id", "dp_rank", "index", "bit", "block_refs", "prefill_tokens", "request_count")
+    __slots__ = (
+        "worker_id", "dp_rank", "index", "bit", "block_refs", "output_blocks", "prefill_tokens", "request_count"
+    )
 
     def __init__(self, worker_id: int, dp_rank: int, index: int) -> None:
         self.worker_id = worker_id
@@ -63,6 +66,8 @@ class RankSlot:
         # A set, not refcounts (those live on the groups): adding or dropping a whole group's
         # hashes is then one C-level set operation. The name is what the metrics read.
         self.block_refs: set[int] = set()
+        # Output blocks are never shared, so a plain sum of its requests' counts.
+        self.output_blocks = 0
         self.prefill_tokens = 0
         self.request_count = 0
 
@@ -82,7 +87,9 @@ class Group:
 
 
 class ActiveRequest:
-    __slots__ = ("request_id", "slot", "hashes", "block_count", "groups", "prefill_tokens", "added_at")
+    __slots__ = (
+        "request_id", "slot", "hashes", "block_count", "groups", "prefill_tokens", "output_blocks", "added_at"
+    )
 
     def __init__(
         self,
@@ -101,6 +108,7 @@ class ActiveRequest:
         self.block_count = block_count  # distinct hashes
         self.groups = groups  # exactly covered `hashes` at /add; later splits may have cut them
         self.prefill_tokens = prefill_tokens  # 0 once prefill completed
+        self.output_blocks = 0  # as last set by /output_blocks
         self.added_at = added_at
 
 
@@ -331,6 +339,23 @@ class SlotTracker:
         request.slot.prefill_tokens -= request.prefill_tokens
         request.prefill_tokens = 0
 
+    def set_output_blocks(self, model_name: str, tenant_id: str, request_id: str, output_blocks: int) -> None:
+        """Sets how many output blocks the request holds now: an absolute count, so a retried
+        call changes nothing, and one smaller than the last is a conflict (output only grows).
+        They add to its rank's decode blocks until the request is freed or expires. O(1)."""
+        self.version += 1
+        partition = self._partition(model_name, tenant_id)
+        request = partition.requests.get(request_id)
+        if request is None:
+            raise NotFound(f"Request {request_id} not found")
+        if output_blocks < request.output_blocks:
+            raise Conflict(
+                f"request {request_id} already holds {request.output_blocks} output blocks; "
+                f"the count cannot shrink to {output_blocks}"
+            )
+        request.slot.output_blocks += output_blocks - request.output_blocks
+        request.output_blocks = output_blocks
+
     def free(self, model_name: str, tenant_id: str, request_id: str) -> None:
         """Idempotent: an unknown request is already free."""
         self.version += 1
@@ -349,7 +374,7 @@ class SlotTracker:
                 slot.worker_id,
                 slot.dp_rank,
                 slot.prefill_tokens,
-                len(slot.block_refs),
+                len(slot.block_refs) + slot.output_blocks,
             )
             for p in self._matching(model_name, tenant_id)
             for slot in p.ranks
@@ -370,7 +395,7 @@ class SlotTracker:
                 slot.worker_id,
                 slot.dp_rank,
                 slot.prefill_tokens + new_isl_tokens,
-                len(slot.block_refs) + query_length - held[slot.index],
+                len(slot.block_refs) + slot.output_blocks + query_length - held[slot.index],
                 slot.request_count,
             )
             for slot in partition.ranks
@@ -499,6 +524,7 @@ def _release(partition: Partition, request: ActiveRequest) -> None:
     else:
         slot.block_refs.difference_update(request.hashes)  # all of it, without visiting groups
     slot.prefill_tokens -= request.prefill_tokens
+    slot.output_blocks -= request.output_blocks
     slot.request_count -= 1
 
 
