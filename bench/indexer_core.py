@@ -1,4 +1,5 @@
-"""Cost of the indexer core (no HTTP): memory per indexed block, ingest rate, query time.
+"""Cost of the indexer core (no HTTP): memory per indexed block, ingest rate, query time, and
+what approximations (`/routed`) cost.
 
     python -m bench.indexer_core [--blocks 1000000]
 
@@ -77,11 +78,14 @@ def ingest_rate(blocks: int, batch: int = 64, workers: int = 16, tuned_gc: bool 
         gc.set_threshold(*thresholds)
 
 
-def query_time(workers: int = 16, length: int = 512, signed: bool = False, parsed: bool = False) -> float:
+def query_time(
+    workers: int = 16, length: int = 512, signed: bool = False, parsed: bool = False, approximated: int = 0
+) -> float:
     """Microseconds for a 512-hash query that every one of 16 workers holds 256..512 deep;
     `signed` sends the hashes as i64, as `/query_by_hash` receives them. `parsed`: the hashes
     are int objects of their own, as a request body's JSON gives them, not the very objects
-    the index stores (an equality test of two such ints cannot stop at their identity)."""
+    the index stores (an equality test of two such ints cannot stop at their identity).
+    `approximated`: that many more ranks hold 256..512 of them as approximations (`/routed`)."""
     rng = random.Random(3)
     chain = [rng.getrandbits(64) for _ in range(length)]
     indexer = Indexer()
@@ -92,6 +96,8 @@ def query_time(workers: int = 16, length: int = 512, signed: bool = False, parse
             "parent_hash": None, "blocks": [{"block_hash": (worker << 20) + i, "tokens_hash": h}
                                             for i, h in enumerate(chain[:depth])]}}}})
     indexer.apply_events(parse_events_document({"bench:default": {"block_size": 16, "events": events}}))
+    for rank in range(workers, workers + approximated):
+        indexer.record_routed("bench", "default", rank, 0, chain[: rng.randint(length // 2, length)])
     query = [to_signed(h) for h in chain] if signed else chain
     if parsed:
         query = orjson.loads(orjson.dumps(query))
@@ -100,6 +106,43 @@ def query_time(workers: int = 16, length: int = 512, signed: bool = False, parse
     for _ in range(runs):
         indexer.query("bench", "default", query)
     return (time.perf_counter() - started) / runs * 1e6
+
+
+def routed_time(length: int = 512, prompts: int = 300, refresh: bool = False) -> float:
+    """Microseconds for `/routed` in the core (with the service's GC thresholds): a prompt of
+    `length` blocks new to the rank, or (`refresh`) one it has approximations of already."""
+    rng = random.Random(5)
+    chains = [[rng.getrandbits(64) for _ in range(length)] for _ in range(prompts)]
+    indexer = Indexer()
+    indexer.register(1, "bench", "default", 16)
+    if refresh:
+        for chain in chains:
+            indexer.record_routed("bench", "default", 1, 0, chain)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(*YOUNG_ONLY_GC_THRESHOLDS)
+    try:
+        started = time.perf_counter()
+        for chain in chains:
+            indexer.record_routed("bench", "default", 1, 0, chain)
+        return (time.perf_counter() - started) / prompts * 1e6
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+def memory_approximated(blocks: int, chain: int = 64) -> float:
+    """Bytes per approximation (tracemalloc): one rank, `blocks` routed blocks nothing else holds."""
+    rng = random.Random(8)
+    indexer = Indexer(approx_max_blocks=0)
+    indexer.register(1, "bench", "default", 16)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for _ in range(blocks // chain):
+        indexer.record_routed("bench", "default", 1, 0, [rng.getrandbits(64) for _ in range(chain)])
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return used / blocks
 
 
 def main() -> None:
@@ -116,6 +159,13 @@ def main() -> None:
     print(f"query, 512 i64 hashes, 16 workers: {query_time(signed=True):.1f} us")
     print(f"query, 512 u64 hashes parsed from JSON, 16 workers: {query_time(parsed=True):.1f} us")
     print(f"query, 512 i64 hashes parsed from JSON, 16 workers: {query_time(signed=True, parsed=True):.1f} us")
+    print(f"query, the same, 16 workers and 16 approximated ranks: "
+          f"{query_time(signed=True, parsed=True, approximated=16):.1f} us")
+    print(f"query, the same, 32 workers: {query_time(workers=32, signed=True, parsed=True):.1f} us")
+    print(f"/routed, a 512-block prompt new to the rank: {routed_time():.0f} us; "
+          f"one it has approximated already: {routed_time(refresh=True):.0f} us")
+    print(f"memory, {min(args.blocks, 500_000)} approximations on one rank: "
+          f"{memory_approximated(min(args.blocks, 500_000)):.0f} B each (tracemalloc)")
 
 
 if __name__ == "__main__":

@@ -64,10 +64,12 @@ for worker in 7 8; do
 done
 echo "chosen: worker $best"
 
-# 5. Book it, then report the lifecycle; free is idempotent, so a retry is harmless.
+# 5. Book it, then report the lifecycle: the first token, each output block filled (16 tokens
+#    generated: one), the end. Output blocks are a total and free is idempotent: retries are harmless.
 cached=$(grep -o "\"$best\":{\"0\":[0-9]*}" <<<"$overlap" | grep -o '[0-9]*}$' | tr -d '}' || true)
 post "$B/add" "{\"model_name\":\"llama-3-8b\",\"request_id\":\"req-1\",\"worker_id\":$best,\"dp_rank\":0,\"sequence_hashes\":$CHAINED,\"new_isl_tokens\":$(( ISL - ${cached:-0} ))}" >/dev/null
 post "$B/prefill_complete" '{"model_name":"llama-3-8b","request_id":"req-1"}' >/dev/null
+post "$B/output_blocks" '{"model_name":"llama-3-8b","request_id":"req-1","output_blocks":1}' >/dev/null
 echo "loads: $(curl -sS "$B/loads?model_name=llama-3-8b")"
 post "$B/free" '{"model_name":"llama-3-8b","request_id":"req-1"}' >/dev/null
 # 6. The exit trap frees the other request and unregisters both workers.

@@ -146,6 +146,41 @@ def positive_float(text: str) -> float:
     return value
 
 
+def peer_urls(text: str) -> tuple[str, ...]:
+    """`--peers`: comma-separated base URLs; blanks between commas are ignored."""
+    return tuple(url.strip() for url in text.split(",") if url.strip())
+
+
+def add_recovery_arguments(
+    parser: argparse.ArgumentParser, *, state: str, peers: str, snapshot_interval_secs: float
+) -> None:
+    """The flags of a service whose `state` outlives its process: `--peers` and
+    `--recovery-timeout-secs` to copy a running replica's at start-up, `--snapshot`,
+    `--snapshot-interval-secs` and `--ignore-bad-snapshot` to keep it in a file."""
+    parser.add_argument(
+        "--peers", type=peer_urls, default="",
+        help=f"comma-separated base URLs of {peers} to copy the {state} from at start-up, first reachable wins",
+    )
+    parser.add_argument(
+        "--recovery-timeout-secs", type=positive_float, default=10.0,
+        help="how long start-up keeps trying the peers before it gives up on them",
+    )
+    parser.add_argument(
+        "--snapshot", default=None, metavar="PATH",
+        help=f"load the {state} from this file at start-up (when it exists) and write it there "
+        "atomically, in the /dump format, periodically and at shutdown",
+    )
+    parser.add_argument(
+        "--snapshot-interval-secs", type=positive_float, default=snapshot_interval_secs,
+        help="seconds between two snapshots",
+    )
+    parser.add_argument(
+        "--ignore-bad-snapshot", action="store_true",
+        help="when the snapshot cannot be read, move it to PATH.bad and start empty instead of "
+        "refusing to start",
+    )
+
+
 GcThresholds = tuple[int, int, int]
 DEFAULT_GC_THRESHOLDS: GcThresholds = (50_000, 20, 100)
 # Collect the young generation only: older generations are never scanned automatically (see

@@ -215,6 +215,20 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
             "POST", "/prefill_complete", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
         )
 
+    async def output_blocks(
+        self, model_name: str, request_id: str, output_blocks: int, *, tenant_id: str = DEFAULT_TENANT
+    ) -> None:
+        """The request has generated `output_blocks` full blocks so far (send it every `block_size`
+        tokens): they count in its rank's decode blocks until `free()`.
+
+        An absolute count, so a retry is harmless; 409 if it is smaller than the last one sent,
+        404 if the request is not active (freed, expired, or its worker left).
+        """
+        await self._transport.call("POST", "/output_blocks", {
+            "model_name": model_name, "tenant_id": tenant_id, "request_id": request_id,
+            "output_blocks": output_blocks,
+        })
+
     async def free(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
         """The request ended: drop it from its rank's load. Idempotent, so safe to retry."""
         await self._transport.call(
@@ -244,6 +258,11 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
             "sequence_hashes": list(sequence_hashes), "new_isl_tokens": new_isl_tokens,
         })
         return [PotentialLoad(**item) for item in items]
+
+    async def dump(self) -> dict[str, Any]:
+        """The whole state as a versioned document: every partition's workers and active requests
+        with the TTL each has left, what `--snapshot` files hold and `--peers` start-up loads."""
+        return await self._transport.call("GET", "/dump")  # type: ignore[no-any-return]
 
 
 class AsyncIndexerClient(_AsyncServiceClient):
@@ -330,6 +349,36 @@ class AsyncIndexerClient(_AsyncServiceClient):
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         return OverlapScores.from_json(await self._transport.call("POST", "/query", body))
+
+    async def routed(
+        self,
+        instance_id: int,
+        model_name: str,
+        block_hashes: Sequence[int] | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        dp_rank: int = 0,
+        tenant_id: str = DEFAULT_TENANT,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """Record that a prompt was routed to this rank (approximate indexing, for engines that
+        publish no KV events): its blocks count for the rank for the indexer's TTL. Give the
+        prompt as local block hashes (signed i64, as for `query_by_hash`) or as `token_ids`
+        (with `lora_name` / `cache_salt`), exactly one of the two. Returns `{"recorded",
+        "new", "evicted"}`; 404 if the partition is unknown."""
+        body: dict[str, Any] = {
+            "instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id, "dp_rank": dp_rank,
+        }
+        if block_hashes is not None:
+            body["block_hashes"] = list(block_hashes)
+        if token_ids is not None:
+            body["token_ids"] = list(token_ids)
+        if lora_name is not None:
+            body["lora_name"] = lora_name
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return await self._transport.call("POST", "/routed", body)  # type: ignore[no-any-return]
 
     async def dump(self) -> dict[str, Any]:
         """The whole index as an events document, which `events()` on another indexer ingests."""

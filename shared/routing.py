@@ -7,7 +7,8 @@ Per LLM request a gateway makes two reads, concurrently, then one write:
 2. slot tracker `POST /potential_loads` with the prompt's chained sequence hashes → each rank's
    active prefill tokens and projected decode blocks;
 3. slot tracker `POST /add` on the chosen rank (then `/prefill_complete` at the first output
-   token and `/free` at the end, through the returned `RequestHandle`).
+   token, `/output_blocks` every `block_size` generated tokens and `/free` at the end, through
+   the returned `RequestHandle`).
 
 The cost of Dynamo's KV router decides (lower is better):
 `cost = overlap_score_weight * prefill_blocks + decode_blocks`, where
@@ -162,7 +163,8 @@ class Decision:
 
 @dataclass(slots=True)
 class RequestHandle:
-    """A booked request: call `prefill_complete()` at the first output token, `free()` at the end."""
+    """A booked request: call `prefill_complete()` at the first output token, `output_blocks(n)`
+    each time its output fills a block, `free()` at the end."""
 
     slot_tracker: AsyncSlotTrackerClient
     decision: Decision
@@ -177,6 +179,14 @@ class RequestHandle:
                 self.decision.model_name, self.request_id, tenant_id=self.decision.tenant_id
             )
             self.prefilled = True
+
+    async def output_blocks(self, count: int) -> None:
+        """Tell the slot tracker the request has generated `count` full blocks so far (call it
+        every `block_size` tokens; a no-op after `free()`)."""
+        if not self.freed:
+            await self.slot_tracker.output_blocks(
+                self.decision.model_name, self.request_id, count, tenant_id=self.decision.tenant_id
+            )
 
     async def free(self) -> None:
         """Tell the slot tracker the request ended (once); call it on errors and cancellation too."""

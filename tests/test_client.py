@@ -35,6 +35,11 @@ def test_async_slot_tracker_client_round_trip() -> None:
             assert sorted(projected, key=lambda p: p.dp_rank) == [
                 PotentialLoad(7, 0, 10, 3, 0), PotentialLoad(7, 1, 58, 4, 1)]
             await client.prefill_complete("m", "r1", tenant_id="t")
+            await client.output_blocks("m", "r1", 2, tenant_id="t")
+            assert (await client.loads(tenant_id="t"))[1] == RankLoad("m", "t", 7, 1, 0, 5)
+            with pytest.raises(ServiceCallError) as shrunk:
+                await client.output_blocks("m", "r1", 1, tenant_id="t")
+            assert shrunk.value.status == 409 and shrunk.value.path == "/output_blocks"
             await client.free("m", "r1", tenant_id="t")
             with pytest.raises(ServiceCallError) as failure:
                 await client.add("m", "r2", 7, 5, [], tenant_id="t")

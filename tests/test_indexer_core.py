@@ -609,10 +609,12 @@ def test_workers_lists_sources_blocks_and_watermarks() -> None:
     info = indexer.workers()
     assert [(w.model_name, w.instance_id) for w in info] == [("a", 3), ("b", 5)]
     ranks = [
-        (rank.dp_rank, rank.source, rank.endpoint, rank.blocks, rank.lower_tier_blocks, rank.last_event_id)
+        (rank.dp_rank, rank.source, rank.registered, rank.endpoint, rank.blocks, rank.lower_tier_blocks,
+         rank.last_event_id)
         for rank in info[1].ranks
     ]
-    assert ranks == [(0, "register", "tcp://x:0", 2, 0, 4), (1, "register", "tcp://x:1", 1, 1, 1)]
+    assert ranks == [(0, "events", True, "tcp://x:0", 2, 0, 4), (1, "events", True, "tcp://x:1", 1, 1, 1)]
+    assert [(rank.source, rank.registered) for rank in info[0].ranks] == [("none", True)]  # nothing feeds it yet
     assert [w.instance_id for w in indexer.workers(model_name="b")] == [5]
     assert indexer.workers(tenant_id="zzz") == []
 

@@ -130,10 +130,10 @@ def test_register_workers_and_unregister(client: TestClient) -> None:
     workers = client.get("/workers?model_name=m5").json()
     listeners = [rank.pop("listener") for rank in workers[0]["ranks"]]
     assert workers == [{"instance_id": 301, "model_name": "m5", "tenant_id": "default", "block_size": 4, "ranks": [
-        {"dp_rank": 0, "source": "register", "endpoint": "ipc:///nonexistent/engine", "blocks": 0,
-         "lower_tier_blocks": 0, "last_event_id": None, "replay_endpoint": None},
-        {"dp_rank": 1, "source": "register", "endpoint": "ipc:///nonexistent/engine", "blocks": 0,
-         "lower_tier_blocks": 0, "last_event_id": None, "replay_endpoint": None}]}]
+        {"dp_rank": 0, "source": "events", "registered": True, "endpoint": "ipc:///nonexistent/engine", "blocks": 0,
+         "lower_tier_blocks": 0, "approximate_blocks": 0, "last_event_id": None, "replay_endpoint": None},
+        {"dp_rank": 1, "source": "events", "registered": True, "endpoint": "ipc:///nonexistent/engine", "blocks": 0,
+         "lower_tier_blocks": 0, "approximate_blocks": 0, "last_event_id": None, "replay_endpoint": None}]}]
     assert [(listener["status"], listener["endpoint"], listener["batches"]) for listener in listeners] == [
         ("connecting", "ipc:///nonexistent/engine", 0)] * 2
     assert client.get("/workers?tenant_id=nope").json() == []

@@ -14,7 +14,8 @@ from dynamo_lite.indexer.state import Indexer
 
 
 def seeded_app():
-    """A partition with blocks on two tiers, so generated queries can match something."""
+    """A partition with blocks on two tiers and a rank approximated by `/routed`, so generated
+    queries can match something and `/dump` has every part of its document."""
     indexer = Indexer()
     local = local_block_hashes(list(range(32)), 16)
     indexer.register(1, "", "default", 16)
@@ -24,6 +25,7 @@ def seeded_app():
         {"worker_id": 2, "storage_tier": "host_pinned", "event": {"event_id": 1, "dp_rank": 0, "data": {"stored": {
             "parent_hash": 0, "blocks": [{"block_hash": 1, "tokens_hash": local[1]}]}}}},
     ]}}))
+    indexer.record_routed("m", "default", 3, 0, local)
     return create_app(indexer=indexer)
 
 

@@ -27,6 +27,7 @@ from dynamo_lite.indexer.app import create_app as create_indexer_app
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer
 from dynamo_lite.logs import AccessLog, JsonFormatter, access_logger
+from dynamo_lite.slot_tracker.app import SlotTrackerConfig
 from dynamo_lite.slot_tracker.app import create_app as create_tracker_app
 from dynamo_lite.slot_tracker.core import SlotTracker
 
@@ -174,11 +175,11 @@ def test_a_client_that_leaves_before_its_body_is_recorded_as_499() -> None:
 def test_slot_tracker_gauges_follow_its_state() -> None:
     now = [0.0]
     tracker = SlotTracker(request_ttl_secs=10, clock=lambda: now[0])
-    with TestClient(create_tracker_app(tracker, sweep_interval_secs=3600)) as client:
+    with TestClient(create_tracker_app(SlotTrackerConfig(sweep_interval_secs=3600), tracker)) as client:
         assert tracker_gauges(scrape(client)) == {
             "partitions": 0, "workers": 0, "ranks": 0, "active_requests": 0, "tracked_blocks": 0,
-            "active_decode_blocks": 0, "active_prefill_tokens": 0, "expired_requests_total": 0,
-            "request_ttl_seconds": 10,
+            "active_decode_blocks": 0, "output_blocks": 0, "active_prefill_tokens": 0,
+            "expired_requests_total": 0, "request_ttl_seconds": 10,
         }
         for worker, dp_size in [(1, 2), (2, 1)]:
             post(client, "/register", {"worker_id": worker, "model_name": "m", "block_size": 16,
@@ -191,12 +192,14 @@ def test_slot_tracker_gauges_follow_its_state() -> None:
                                          "dp_rank": rank, "sequence_hashes": hashes,
                                          "new_isl_tokens": tokens}).status_code == 201
         post(client, "/prefill_complete", {"model_name": "m", "request_id": "a"})
+        post(client, "/output_blocks", {"model_name": "m", "request_id": "c", "output_blocks": 2})
         gauges = tracker_gauges(scrape(client))
         loads = client.get("/loads").json()
         assert gauges["partitions"] == 2 and gauges["workers"] == 3 and gauges["ranks"] == 4
         assert gauges["active_requests"] == 3
         assert gauges["tracked_blocks"] == 4  # distinct hashes 1..4 of partition (m, default)
-        assert gauges["active_decode_blocks"] == sum(row["active_decode_blocks"] for row in loads) == 9
+        assert gauges["active_decode_blocks"] == sum(row["active_decode_blocks"] for row in loads) == 11
+        assert gauges["output_blocks"] == 2
         assert gauges["active_prefill_tokens"] == sum(row["active_prefill_tokens"] for row in loads) == 17
 
         post(client, "/free", {"model_name": "m", "request_id": "b"})
@@ -204,6 +207,7 @@ def test_slot_tracker_gauges_follow_its_state() -> None:
         assert tracker.expire() == 2
         gauges = tracker_gauges(scrape(client))
         assert gauges["active_requests"] == gauges["tracked_blocks"] == gauges["active_decode_blocks"] == 0
+        assert gauges["output_blocks"] == 0
         assert gauges["active_prefill_tokens"] == 0
         assert gauges["expired_requests_total"] == 2
         assert gauges["workers"] == 3

@@ -135,8 +135,12 @@ def test_router_prefers_the_worker_holding_the_prefix_and_books_it() -> None:
             loads = {(l.worker_id, l.dp_rank): l for l in await slots.loads()}
             assert (loads[(2, 0)].active_prefill_tokens, loads[(2, 0)].active_decode_blocks) == (32, 8)
             await handle.prefill_complete()
+            await handle.output_blocks(3)
+            loads = {(l.worker_id, l.dp_rank): l for l in await slots.loads()}
+            assert (loads[(2, 0)].active_prefill_tokens, loads[(2, 0)].active_decode_blocks) == (0, 11)
             await handle.free()
             assert all(l.active_decode_blocks == 0 for l in await slots.loads())
+            await handle.output_blocks(4)  # after free: a no-op, not a 404
             overridden = await router.select("m", isl_tokens=len(tokens), local_hashes=local,
                                              sequence_hashes=chained, overlap_score_weight=0.0)
             assert overridden.config.overlap_score_weight == 0.0

@@ -90,6 +90,63 @@ def test_prefill_complete_stops_counting_tokens_once(tracker: SlotTracker) -> No
     assert loads_by_rank(tracker)[(1, 0)] == (2, 1)
 
 
+def test_output_blocks_add_to_decode_blocks_until_free(tracker: SlotTracker) -> None:
+    tracker.register(1, "m", "default", 16, 0, 2)
+    tracker.add("m", "default", "a", 1, 0, [1, 2, 3], 0)
+    tracker.add("m", "default", "b", 1, 0, [1, 2], 0)
+    tracker.set_output_blocks("m", "default", "a", 2)
+    assert loads_by_rank(tracker) == {(1, 0): (0, 5), (1, 1): (0, 0)}
+    tracker.set_output_blocks("m", "default", "a", 2)  # a retry changes nothing
+    tracker.set_output_blocks("m", "default", "b", 1)  # never shared, even with a's prompt
+    assert loads_by_rank(tracker)[(1, 0)] == (0, 6)
+    projected = {p.dp_rank: p.potential_decode_blocks for p in tracker.potential_loads("m", "default", [1, 9], 0)}
+    assert projected == {0: 7, 1: 2}
+    tracker.set_output_blocks("m", "default", "a", 4)
+    with pytest.raises(Conflict, match=r"^request a already holds 4 output blocks; the count cannot shrink to 3$"):
+        tracker.set_output_blocks("m", "default", "a", 3)
+    assert loads_by_rank(tracker)[(1, 0)] == (0, 8)  # the refused call changed nothing
+    tracker.free("m", "default", "a")
+    assert loads_by_rank(tracker)[(1, 0)] == (0, 3)
+    tracker.add("m", "default", "a", 1, 1, [], 0)  # a reused id starts with no output blocks
+    tracker.set_output_blocks("m", "default", "a", 0)
+    assert loads_by_rank(tracker) == {(1, 0): (0, 3), (1, 1): (0, 0)}
+    tracker.free("m", "default", "b")
+    assert loads_by_rank(tracker)[(1, 0)] == (0, 0)
+
+
+def test_output_blocks_of_unknown_requests_and_trackers_are_not_found(tracker: SlotTracker) -> None:
+    with pytest.raises(NotFound, match="^no slot tracker for model=m tenant_id=default$"):
+        tracker.set_output_blocks("m", "default", "a", 1)
+    tracker.register(1, "m", "default", 16, 0, 1)
+    with pytest.raises(NotFound, match="^Request a not found$"):
+        tracker.set_output_blocks("m", "default", "a", 1)
+    tracker.add("m", "default", "a", 1, 0, [], 0)
+    tracker.free("m", "default", "a")
+    with pytest.raises(NotFound, match="^Request a not found$"):
+        tracker.set_output_blocks("m", "default", "a", 1)
+
+
+def test_expiry_and_unregister_release_output_blocks(clock: FakeClock) -> None:
+    tracker = SlotTracker(request_ttl_secs=100, clock=clock)
+    tracker.register(1, "m", "default", 16, 0, 1)
+    tracker.register(2, "m", "default", 16, 0, 1)
+    tracker.add("m", "default", "old", 1, 0, [1], 0)
+    clock.now += 60
+    tracker.add("m", "default", "young", 1, 0, [1], 0)
+    tracker.add("m", "default", "other", 2, 0, [1], 0)
+    tracker.set_output_blocks("m", "default", "old", 5)  # does not extend its TTL
+    tracker.set_output_blocks("m", "default", "young", 2)
+    tracker.set_output_blocks("m", "default", "other", 7)
+    assert loads_by_rank(tracker) == {(1, 0): (0, 8), (2, 0): (0, 8)}
+    clock.now += 40
+    assert tracker.expire() == 1
+    assert loads_by_rank(tracker) == {(1, 0): (0, 3), (2, 0): (0, 8)}
+    tracker.unregister(1, "m", "default")
+    assert loads_by_rank(tracker) == {(2, 0): (0, 8)}
+    tracker.register(1, "m", "default", 16, 0, 1)  # the same rank again starts idle
+    assert loads_by_rank(tracker) == {(1, 0): (0, 0), (2, 0): (0, 8)}
+
+
 def test_register_validation_order(tracker: SlotTracker) -> None:
     with pytest.raises(InvalidArgument, match="block_size must be greater than 0"):
         tracker.register(1, "m", "default", 0, 0, 0)
@@ -257,12 +314,13 @@ def test_a_shared_prefix_stays_one_group(tracker: SlotTracker) -> None:
 
 class NaiveModel:
     """One partition as the contract states it, recomputed from scratch at every question:
-    a rank's blocks are the union of its active requests' hash sets."""
+    a rank's blocks are the union of its active requests' hash sets, plus their output blocks."""
 
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
         self.ranks: dict[int, list[int]] = {}  # worker -> dp_ranks
-        self.active: dict[str, tuple[int, int, frozenset[int], int, float]] = {}
+        # request id -> (worker, rank, hashes, prefill tokens, added at, output blocks)
+        self.active: dict[str, tuple[int, int, frozenset[int], int, float, int]] = {}
 
     def slots(self) -> list[tuple[int, int]]:
         return [(worker, rank) for worker in sorted(self.ranks) for rank in self.ranks[worker]]
@@ -270,12 +328,16 @@ class NaiveModel:
     def held(self, slot: tuple[int, int]) -> set[int]:
         return set().union(*(r[2] for r in self.active.values() if (r[0], r[1]) == slot))
 
+    def output(self, slot: tuple[int, int]) -> int:
+        return sum(r[5] for r in self.active.values() if (r[0], r[1]) == slot)
+
     def expire(self, now: float) -> None:
         self.active = {k: r for k, r in self.active.items() if r[4] > now - self.ttl}
 
     def loads(self) -> list[tuple[int, int, int, int]]:
         return [
-            (*slot, sum(r[3] for r in self.active.values() if (r[0], r[1]) == slot), len(self.held(slot)))
+            (*slot, sum(r[3] for r in self.active.values() if (r[0], r[1]) == slot),
+             len(self.held(slot)) + self.output(slot))
             for slot in self.slots()
         ]
 
@@ -283,7 +345,8 @@ class NaiveModel:
         rows = []
         for slot in self.slots():
             mine = [r for r in self.active.values() if (r[0], r[1]) == slot]
-            rows.append((*slot, sum(r[3] for r in mine) + tokens, len(self.held(slot) | set(hashes)), len(mine)))
+            rows.append((*slot, sum(r[3] for r in mine) + tokens,
+                         len(self.held(slot) | set(hashes)) + self.output(slot), len(mine)))
         return rows
 
 
@@ -313,8 +376,9 @@ def hash_lists(draw: st.DrawFn) -> list[int]:
 
 
 class LifecycleMachine(RuleBasedStateMachine):
-    """Random register/add/prefill/free/expire/unregister; after every step the core's answers
-    equal the naive model's, and its groups are consistent with the active requests."""
+    """Random register/add/prefill/output blocks/free/expire/unregister; after every step the
+    core's answers equal the naive model's, and its groups are consistent with the active
+    requests."""
 
     walk_steps: int | None = None  # overrides core._WALK_STEPS, to drive the other path
 
@@ -347,15 +411,29 @@ class LifecycleMachine(RuleBasedStateMachine):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         self.tracker.add("m", "default", request_id, worker, rank, hashes, tokens)
-        self.model.active[request_id] = (worker, rank, frozenset(hashes), tokens, self.clock.now)
+        self.model.active[request_id] = (worker, rank, frozenset(hashes), tokens, self.clock.now, 0)
 
     @precondition(lambda self: self.model.active)
     @rule(data=st.data())
     def prefill_complete(self, data: st.DataObject) -> None:
         request_id = data.draw(st.sampled_from(sorted(self.model.active)))
         self.tracker.prefill_complete("m", "default", request_id)
-        worker, rank, hashes, _, added = self.model.active[request_id]
-        self.model.active[request_id] = (worker, rank, hashes, 0, added)
+        worker, rank, hashes, _, added, output = self.model.active[request_id]
+        self.model.active[request_id] = (worker, rank, hashes, 0, added, output)
+
+    @precondition(lambda self: self.model.active)
+    @rule(data=st.data())
+    def output_blocks(self, data: st.DataObject) -> None:
+        """Mostly growth or a retry of the last count; sometimes a smaller count, refused."""
+        request_id = data.draw(st.sampled_from(sorted(self.model.active)))
+        worker, rank, hashes, tokens, added, output = self.model.active[request_id]
+        count = data.draw(st.integers(max(0, output - 3), output + 40))
+        if count < output:
+            with pytest.raises(Conflict):
+                self.tracker.set_output_blocks("m", "default", request_id, count)
+            return
+        self.tracker.set_output_blocks("m", "default", request_id, count)
+        self.model.active[request_id] = (worker, rank, hashes, tokens, added, count)
 
     @precondition(lambda self: self.model.active)
     @rule(data=st.data())
@@ -405,7 +483,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         partition = self.tracker.partitions[("m", "default")]
         index = {key: slot.index for key, slot in partition.slots.items()}
         expected_refs: dict[int, dict[int, int]] = {}
-        for worker, rank, hashes, _, _ in self.model.active.values():
+        for worker, rank, hashes, _, _, _ in self.model.active.values():
             for block_hash in hashes:
                 refs = expected_refs.setdefault(block_hash, {})
                 refs[index[(worker, rank)]] = refs.get(index[(worker, rank)], 0) + 1
@@ -417,8 +495,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert all(partition.holders[member] is group for member in group.members)
         for key, slot in partition.slots.items():
             assert slot.block_refs == self.model.held(key)
+            assert slot.output_blocks == self.model.output(key)
         for request_id, request in partition.requests.items():
             hashes = self.model.active[request_id][2]
+            assert request.output_blocks == self.model.active[request_id][5]
             assert request.block_count == len(hashes)
             assert all(group.members <= hashes for group in request.groups)
 

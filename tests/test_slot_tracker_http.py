@@ -100,6 +100,57 @@ def test_service_errors(client: TestClient) -> None:
                  "no slot tracker for model=x tenant_id=default")
 
 
+def test_output_blocks(client: TestClient) -> None:
+    ref = {"model_name": "m", "request_id": "r"}
+    assert_error(post(client, "/output_blocks", {**ref, "output_blocks": 1}), 404,
+                 "no slot tracker for model=m tenant_id=default")
+    assert post(client, "/register", REGISTER).status_code == 201
+    assert_error(post(client, "/output_blocks", {**ref, "output_blocks": 1}), 404, "Request r not found")
+    add = {**ref, "worker_id": 7, "dp_rank": 1, "sequence_hashes": [1, 2, 3], "new_isl_tokens": 16}
+    assert post(client, "/add", add).status_code == 201
+    for _ in range(2):  # a retried count changes nothing
+        response = post(client, "/output_blocks", {**ref, "routing_group": "default", "output_blocks": 4})
+        assert (response.status_code, response.json()) == (200, {"status": "ok"})
+    assert [row["active_decode_blocks"] for row in client.get("/loads").json()] == [0, 7]
+    projected = post(client, "/potential_loads", {"model_name": "m", "sequence_hashes": [1, 9]}).json()
+    assert sorted((row["dp_rank"], row["potential_decode_blocks"]) for row in projected) == [(0, 2), (1, 8)]
+    assert_error(post(client, "/output_blocks", {**ref, "output_blocks": 3}), 409,
+                 "request r already holds 4 output blocks; the count cannot shrink to 3")
+    assert post(client, "/output_blocks", {**ref, "output_blocks": 2**32 - 1}).status_code == 200
+    assert client.get("/loads").json()[1]["active_decode_blocks"] == 2**32 + 2
+    assert_error(post(client, "/output_blocks", {**ref, "tenant_id": "a", "routing_group": "b", "output_blocks": 5}),
+                 400)
+    assert_error(client.post("/output_blocks", content=orjson.dumps({**ref, "output_blocks": 5})), 415)
+    assert post(client, "/free", ref).status_code == 200
+    assert [row["active_decode_blocks"] for row in client.get("/loads").json()] == [0, 0]
+    assert_error(post(client, "/output_blocks", {**ref, "output_blocks": 5}), 404, "Request r not found")
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"model_name": "m", "request_id": "r"}, "missing field `output_blocks`"),
+    ({"model_name": "m", "output_blocks": 1}, "missing field `request_id`"),
+    ({"request_id": "r", "output_blocks": 1}, "missing field `model_name`"),
+    ({"model_name": "m", "request_id": "r", "output_blocks": -1},
+     "output_blocks: invalid value: integer `-1`, expected u32"),
+    ({"model_name": "m", "request_id": "r", "output_blocks": 2**32},
+     "output_blocks: invalid value: integer `4294967296`, expected u32"),
+    ({"model_name": "m", "request_id": "r", "output_blocks": 1.0},
+     "output_blocks: invalid type: floating point number, expected u32"),
+    ({"model_name": "m", "request_id": "r", "output_blocks": True},
+     "output_blocks: invalid type: boolean, expected u32"),
+    ({"model_name": "m", "request_id": "r", "output_blocks": "1"},
+     "output_blocks: invalid type: string, expected u32"),
+    ({"model_name": "m", "request_id": "r", "output_blocks": None},
+     "output_blocks: invalid type: null, expected u32"),
+    ({"model_name": "m", "request_id": 1, "output_blocks": 1},
+     "request_id: invalid type: integer 1, expected a string"),
+    ([], "invalid type: array, expected a JSON object (OutputBlocksRequest)"),
+])
+def test_output_blocks_wrong_shape_is_422(client: TestClient, body: object, message: str) -> None:
+    assert post(client, "/register", REGISTER).status_code == 201
+    assert_error(post(client, "/output_blocks", body), 422, message)
+
+
 @pytest.mark.parametrize("path", ["/nope", "/health/", "/Health", "//health", "/"])
 def test_unknown_routes_are_json_404(client: TestClient, path: str) -> None:
     assert_error(client.get(path), 404, "route not found")
@@ -107,7 +158,7 @@ def test_unknown_routes_are_json_404(client: TestClient, path: str) -> None:
 
 @pytest.mark.parametrize(("method", "path", "allow"), [
     ("POST", "/health", "GET, HEAD"), ("PUT", "/loads", "GET, HEAD"), ("GET", "/add", "POST"),
-    ("DELETE", "/register", "POST"), ("OPTIONS", "/free", "POST"),
+    ("DELETE", "/register", "POST"), ("OPTIONS", "/free", "POST"), ("GET", "/output_blocks", "POST"),
 ])
 def test_wrong_method_is_json_405_with_allow(client: TestClient, method: str, path: str, allow: str) -> None:
     response = client.request(method, path)
@@ -208,8 +259,8 @@ def test_head_on_get_routes_has_headers_and_no_body(client: TestClient) -> None:
 def test_openapi_document_is_served(client: TestClient) -> None:
     document = client.get("/openapi.json").json()
     assert document["openapi"].startswith("3.1")
-    assert {"/register", "/unregister", "/workers", "/add", "/prefill_complete", "/free", "/loads",
-            "/potential_loads", "/health"} <= set(document["paths"])
+    assert {"/register", "/unregister", "/workers", "/add", "/prefill_complete", "/output_blocks", "/free",
+            "/loads", "/potential_loads", "/health"} <= set(document["paths"])
 
 
 def test_integers_out_of_range_are_named_as_such(client: TestClient) -> None:
@@ -234,7 +285,7 @@ def test_loads_answers_are_reused_only_while_nothing_changed() -> None:
     """`/loads` is encoded once per tracker state; every kind of write must show in the next one."""
     tracker = SlotTracker(request_ttl_secs=60, clock=lambda: now[0])
     now = [0.0]
-    app = create_app(tracker)
+    app = create_app(tracker=tracker)
     with TestClient(app) as client:
         seen = []
 
@@ -256,6 +307,8 @@ def test_loads_answers_are_reused_only_while_nothing_changed() -> None:
         assert [row["active_prefill_tokens"] for row in loads()] == [0, 0]
         post(client, "/add", {**add, "request_id": "s", "sequence_hashes": [3]})
         assert [row["active_decode_blocks"] for row in loads()] == [0, 3]
+        post(client, "/output_blocks", {"model_name": "m", "request_id": "r", "output_blocks": 2})
+        assert [row["active_decode_blocks"] for row in loads()] == [0, 5]
         post(client, "/free", {"model_name": "m", "request_id": "r"})
         assert [row["active_decode_blocks"] for row in loads()] == [0, 1]
         now[0] = 61.0

@@ -17,7 +17,7 @@ def seeded_app():
     tracker.register(0, "", "default", 1, 0, 2)
     tracker.register(1, "m", "default", 16, 0, 1)
     tracker.add("m", "default", "", 1, 0, [0, 1, -1], 5)
-    return create_app(tracker)
+    return create_app(tracker=tracker)
 
 
 schema = load("slot_tracker.yaml", seeded_app())

@@ -1,12 +1,14 @@
 """Stateful schemathesis runs over both OpenAPI documents, following their `links`:
-register -> add -> prefill_complete -> free (slot tracker), register -> events ->
+register -> add -> prefill_complete / output_blocks -> free (slot tracker), register -> events ->
 query_by_hash / dump (indexer).
 
 Every call must answer without a 5xx and conform to the document (status, content type, body
 schema). At the end of every scenario the state must be consistent:
 
-* slot tracker: after freeing every request the scenario added, every rank's load is 0/0 and
-  no rank has an active request;
+* slot tracker: `/output_blocks` answers as a model of each active request's last count says
+  (200 for a count at least as large, 409 for a smaller one, 404 for a request not active); a
+  rank's decode blocks are at least its requests' output blocks; after freeing every request
+  the scenario added, every rank's load is 0/0 and no rank has an active request;
 * indexer: after clearing every worker (a `cleared` event per rank), every query of every hash
   the scenario stored is empty and no rank holds a block.
 
@@ -18,6 +20,7 @@ at least 10,000 calls each (asserted).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from schema_support import (
@@ -61,6 +64,8 @@ class SlotTrackerWorkflow(slot_tracker_schema.as_state_machine()):  # type: igno
 
     def setup(self) -> None:
         self.added: set[tuple[str, str, str]] = set()
+        # (model_name, tenant_id, request_id) of each active request -> (worker_id, dp_rank, output blocks)
+        self.active: dict[tuple[str, str, str], tuple[int, int, int]] = {}
         for worker in _ok(self.client.get("/workers")):
             _ok(self.client.post("/unregister", json={key: worker[key] for key in ("worker_id", "model_name", "tenant_id")}))
         assert _ok(self.client.get("/loads")) == []
@@ -72,11 +77,42 @@ class SlotTrackerWorkflow(slot_tracker_schema.as_state_machine()):  # type: igno
     def after_call(self, response: Any, case: Any) -> None:
         super().after_call(response, case)
         slot_tracker_stats.record(case.operation.label, response.status_code)
-        if case.operation.path == "/add" and response.status_code == 201:
-            self.added.add((case.body["model_name"], tenant_of(case.body), case.body["request_id"]))
+        path, status = case.operation.path, response.status_code
+        if path == "/add" and status == 201:
+            key = (case.body["model_name"], tenant_of(case.body), case.body["request_id"])
+            self.added.add(key)
+            self.active[key] = (case.body["worker_id"], case.body["dp_rank"], 0)
+        elif path == "/free" and status == 200:
+            self.active.pop((case.body["model_name"], tenant_of(case.body), case.body["request_id"]), None)
+        elif path == "/unregister" and status == 200:
+            worker = (case.body["model_name"], tenant_of(case.body), case.body["worker_id"])
+            self.active = {key: value for key, value in self.active.items() if (*key[:2], value[0]) != worker}
+        elif path == "/output_blocks" and status in (200, 404, 409):
+            self._check_output_blocks(case.body, status)
+
+    def _check_output_blocks(self, body: dict[str, Any], status: int) -> None:
+        key = (body["model_name"], tenant_of(body), body["request_id"])
+        active = self.active.get(key)
+        if active is None:
+            assert status == 404, (key, status)
+            return
+        worker_id, dp_rank, count = active
+        assert status == (200 if body["output_blocks"] >= count else 409), (key, count, body, status)
+        slot_tracker_stats.notes["output block counts for active requests"] += 1
+        if status == 200:
+            self.active[key] = (worker_id, dp_rank, body["output_blocks"])
 
     def teardown(self) -> None:
         slot_tracker_stats.notes["scenarios"] += 1
+        decode_blocks = {
+            (row["model_name"], row["tenant_id"], row["worker_id"], row["dp_rank"]): row["active_decode_blocks"]
+            for row in _ok(self.client.get("/loads"))
+        }
+        held: Counter[tuple[str, str, int, int]] = Counter()
+        for (model_name, tenant_id, _), (worker_id, dp_rank, count) in self.active.items():
+            held[(model_name, tenant_id, worker_id, dp_rank)] += count
+        for rank, count in held.items():
+            assert decode_blocks[rank] >= count, (rank, decode_blocks[rank], count)
         for model_name, tenant_id, request_id in sorted(self.added):
             body = {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
             _ok(self.client.post("/free", json=body), 200, 404)  # 404: its tracker is gone
@@ -99,6 +135,7 @@ def test_slot_tracker_stateful() -> None:
     # The links must have led somewhere, not only to 404s.
     assert slot_tracker_stats.count("POST /add", 201) > 0, slot_tracker_stats.summary()
     assert slot_tracker_stats.count("POST /prefill_complete", 200) > 0, slot_tracker_stats.summary()
+    assert slot_tracker_stats.notes["output block counts for active requests"] > 0, slot_tracker_stats.summary()
     assert slot_tracker_stats.count("POST /free", 200) > 0, slot_tracker_stats.summary()
     if is_long_profile():
         assert slot_tracker_stats.calls() >= LONG_STATEFUL_CALLS, slot_tracker_stats.summary()
@@ -150,6 +187,11 @@ class IndexerWorkflow(indexer_schema.as_state_machine()):  # type: ignore[misc]
             for key, hashes in _stored_local_hashes(case.body).items():
                 model_name, _, tenant_id = key.rpartition(":")
                 self.stored.setdefault((model_name, tenant_id), set()).update(map(_as_i64, hashes))
+        if case.operation.path == "/routed" and response.status_code == 200 and "block_hashes" in case.body:
+            partition = (case.body["model_name"], case.body.get("tenant_id", case.body.get("routing_group", "default")))
+            self.stored.setdefault(partition, set()).update(case.body["block_hashes"])
+            if response.json()["recorded"]:
+                indexer_stats.notes["routed prompts recorded"] += 1
         if case.operation.path in ("/query_by_hash", "/query") and response.status_code == 200:
             if response.json()["scores"]:
                 indexer_stats.notes["queries that matched blocks"] += 1
@@ -193,7 +235,7 @@ class IndexerWorkflow(indexer_schema.as_state_machine()):  # type: ignore[misc]
         for worker in _ok(self.client.get("/workers")):
             partitions.add((worker["model_name"], worker["tenant_id"]))
             for rank in worker["ranks"]:
-                assert (rank["blocks"], rank["lower_tier_blocks"]) == (0, 0), worker
+                assert (rank["blocks"], rank["lower_tier_blocks"], rank["approximate_blocks"]) == (0, 0, 0), worker
         for (model_name, tenant_id), hashes in self.stored.items():
             query = {"model_name": model_name, "tenant_id": tenant_id, "block_hashes": sorted(hashes)}
             response = self.client.post("/query_by_hash", json=query)
@@ -208,7 +250,7 @@ class IndexerWorkflow(indexer_schema.as_state_machine()):  # type: ignore[misc]
                 answer = _ok(self.client.post("/query_by_hash", json={**query, "block_hashes": [single]}))
                 assert answer["scores"] == {} and answer["instances"] == {}, (single, answer)
         for section in _ok(self.client.get("/dump")).values():
-            assert section["events"] == [], section
+            assert section["events"] == [] and "approximations" not in section, section
         if self.stored:
             indexer_stats.notes["scenarios that stored blocks"] += 1
 
@@ -219,5 +261,6 @@ def test_indexer_stateful() -> None:
     assert indexer_stats.count("POST /events", 200) > 0, indexer_stats.summary()
     assert indexer_stats.notes["scenarios that stored blocks"] > 0, indexer_stats.summary()
     assert indexer_stats.notes["scenarios whose stored blocks were found before clearing"] > 0, indexer_stats.summary()
+    assert indexer_stats.notes["routed prompts recorded"] > 0, indexer_stats.summary()
     if is_long_profile():
         assert indexer_stats.calls() >= LONG_STATEFUL_CALLS, indexer_stats.summary()

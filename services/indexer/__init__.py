@@ -2,7 +2,9 @@
 
 Engines (or a relay in front of them) post Dynamo RouterEvents; gateways ask, for a prompt's
 local block hashes, how many leading blocks each (worker, dp_rank) holds on the device tier and
-how far host-pinned and disk copies extend that. Layout, as in Dynamo's lib/kv-router:
-`protocols` (event model, parser, dump serializer), `tree` (one partition's index) and
-`state` (partitions, workers, event-id watermarks, query answers), all free of I/O.
+how far host-pinned and disk copies extend that; for engines that publish nothing, gateways
+report their routing decisions instead and the index approximates. Layout, as in Dynamo's
+lib/kv-router: `protocols` (event model, parser, dump serializer), `tree` (one partition's
+index), `approx` (approximations of routed prompts, with their TTLs) and `state` (partitions,
+workers, event-id watermarks, query answers), all free of I/O.
 """

@@ -8,6 +8,7 @@ import sys
 
 from dynamo_lite.cli import (
     YOUNG_ONLY_GC_THRESHOLDS,
+    add_recovery_arguments,
     configure_logging,
     non_negative_float,
     non_negative_int,
@@ -17,7 +18,7 @@ from dynamo_lite.cli import (
     service_parser,
 )
 
-from .app import IndexerConfig, create_app
+from .app import DEFAULT_APPROX_MAX_BLOCKS, DEFAULT_APPROX_TTL_SECS, IndexerConfig, create_app
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Subscription, validate_endpoint
 
 DEFAULT_PORT = 8090
@@ -80,18 +81,6 @@ def main(argv: list[str] | None = None) -> None:
         DEFAULT_PORT,
     )
     parser.add_argument(
-        "--peers",
-        default="",
-        help="comma-separated base URLs of indexers (ours or Dynamo's) to recover the index from "
-        "at start-up, first reachable wins",
-    )
-    parser.add_argument(
-        "--recovery-timeout-secs",
-        type=positive_float,
-        default=10.0,
-        help="how long start-up keeps trying the peers before serving an empty index",
-    )
-    parser.add_argument(
         "--max-blocks",
         type=non_negative_int,
         default=0,
@@ -99,24 +88,21 @@ def main(argv: list[str] | None = None) -> None:
         "this many blocks per lower tier, evicting the least recently used; 0 = unlimited",
     )
     parser.add_argument(
-        "--snapshot",
-        default=None,
-        metavar="PATH",
-        help="load the index from this file at start-up (when it exists) and write it there "
-        "atomically, in the /dump format, periodically and at shutdown",
-    )
-    parser.add_argument(
-        "--snapshot-interval-secs",
+        "--approx-ttl-secs",
         type=positive_float,
-        default=30.0,
-        help="seconds between two snapshots",
+        default=DEFAULT_APPROX_TTL_SECS,
+        help="how long the blocks of a request reported to POST /routed count for the rank it was "
+        "routed to (approximate indexing of engines that publish no KV events); routing it again "
+        "restarts it",
     )
     parser.add_argument(
-        "--ignore-bad-snapshot",
-        action="store_true",
-        help="when the snapshot cannot be read, move it to PATH.bad and start empty instead of "
-        "refusing to start",
+        "--approx-max-blocks",
+        type=non_negative_int,
+        default=DEFAULT_APPROX_MAX_BLOCKS,
+        help="per (model, tenant) partition: keep at most this many (rank, block) approximations, "
+        "dropping those that expire first; 0 = unlimited",
     )
+    add_recovery_arguments(parser, state="index", peers="indexers (ours or Dynamo's)", snapshot_interval_secs=30.0)
     parser.add_argument(
         "--full-gc-interval-secs",
         type=non_negative_float,
@@ -156,12 +142,14 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     configure_logging(args.log_level, args.log_format)
-    peers = [url.strip() for url in args.peers.split(",") if url.strip()]
+    peers = args.peers
     logging.getLogger("dynamo_lite.indexer").info(
         "starting indexer on %s:%d%s", args.host, args.port, f" (peers: {', '.join(peers)})" if peers else ""
     )
     app = create_app(IndexerConfig(
         max_blocks=args.max_blocks,
+        approx_ttl_secs=args.approx_ttl_secs,
+        approx_max_blocks=args.approx_max_blocks,
         peers=tuple(peers),
         recovery_deadline_secs=args.recovery_timeout_secs,
         snapshot=args.snapshot,

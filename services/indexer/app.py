@@ -2,6 +2,7 @@
 
 The query routes answer exactly as Dynamo 1.6.1's indexer does; `/events` takes the very
 document `/dump` produces, so two indexers (ours or Dynamo's) can recover from each other.
+`/routed` records a routing decision for ranks whose engines publish no KV events.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import Any, Optional, Union
 from msgspec import UNSET, UnsetType
 
 from dynamo_lite import http, validation
-from dynamo_lite.errors import InvalidArgument
+from dynamo_lite.errors import InvalidArgument, InvalidShape
 from dynamo_lite.http import HandlerResult, QueryParams
-from dynamo_lite.validation import I64, U32, RequestBody, expect_object, tenant_of
+from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
+
+from .approx import DEFAULT_MAX_BLOCKS as DEFAULT_APPROX_MAX_BLOCKS
+from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
 
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
 from .metrics import IndexerCollector, ListenerCollector
@@ -33,7 +37,8 @@ from .state import Indexer
 logger = logging.getLogger("dynamo_lite.indexer")
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.yaml")
-LARGE_BODY = 8 * 1024 * 1024  # /events and /query carry whole prompts or event batches
+LARGE_BODY = 8 * 1024 * 1024  # /events, /query and /routed carry whole prompts or event batches
+APPROX_SWEEP_INTERVAL_SECS = 1.0  # expired approximations of partitions nobody writes to or queries
 
 OK = {"status": "ok"}
 _FILTERS = frozenset({"model_name", "tenant_id", "routing_group"})
@@ -84,6 +89,50 @@ class QueryRequest(RequestBody):
         return cls(model_name, validation.u32_list(body, "token_ids"), tenant_id,
                    lora_name=validation.optional_string(body, "lora_name"),
                    cache_salt=validation.optional_string(body, "cache_salt"))
+
+
+class RoutedRequest(RequestBody):
+    """A routing decision: the prompt as local hashes (i64, as `/query_by_hash` takes them)
+    or as token ids (hashed as `/query` hashes them); exactly one of the two."""
+
+    model_name: str
+    instance_id: U64
+    block_hashes: Union[list[I64], UnsetType] = UNSET
+    token_ids: Union[list[U32], UnsetType] = UNSET
+    dp_rank: U32 = 0
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+    lora_name: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+    def in_range(self) -> bool:
+        if self.block_hashes is UNSET:
+            return self.token_ids is not UNSET and is_u64(self.instance_id)
+        return (
+            self.token_ids is UNSET and self.lora_name is None and self.cache_salt is None
+            and is_u64(self.instance_id)
+        )
+
+    @classmethod
+    def from_json(cls, body: Any) -> RoutedRequest:
+        body = expect_object(body, "RoutedRequest")
+        model_name = validation.string(body, "model_name")
+        tenant_id = validation.tenant(body)
+        instance_id = validation.u64(body, "instance_id")
+        dp_rank = validation.u32(body, "dp_rank", 0)
+        if ("block_hashes" in body) == ("token_ids" in body):
+            raise InvalidShape("give exactly one of block_hashes and token_ids")
+        lora_name = validation.optional_string(body, "lora_name")
+        cache_salt = validation.optional_string(body, "cache_salt")
+        if "token_ids" in body:
+            return cls(model_name, instance_id, token_ids=validation.u32_list(body, "token_ids"), dp_rank=dp_rank,
+                       tenant_id=tenant_id, lora_name=lora_name, cache_salt=cache_salt)
+        block_hashes = validation.i64_list(body, "block_hashes")
+        if lora_name is not None or cache_salt is not None:
+            raise InvalidArgument(
+                "lora_name and cache_salt go with token_ids; block_hashes must already include them"
+            )
+        return cls(model_name, instance_id, block_hashes=block_hashes, dp_rank=dp_rank, tenant_id=tenant_id)
 
 
 class IndexerRoutes:
@@ -166,6 +215,18 @@ class IndexerRoutes:
             lora_name=request.lora_name, cache_salt=request.cache_salt,
         )
 
+    def routed(self, request: RoutedRequest) -> HandlerResult:
+        tenant_id = tenant_of(request.tenant_id, request.routing_group)
+        if isinstance(request.block_hashes, list):
+            return 200, self.indexer.record_routed(
+                request.model_name, tenant_id, request.instance_id, request.dp_rank, request.block_hashes
+            )
+        assert isinstance(request.token_ids, list)  # `RoutedRequest` holds exactly one of the two
+        return 200, self.indexer.record_routed_tokens(
+            request.model_name, tenant_id, request.instance_id, request.dp_rank, request.token_ids,
+            lora_name=request.lora_name, cache_salt=request.cache_salt,
+        )
+
     def dump(self, params: QueryParams) -> HandlerResult:
         return 200, self.indexer.dump()
 
@@ -202,6 +263,13 @@ async def _log_evictions(indexer: Indexer, interval_secs: float = 60.0) -> None:
             logged = total
 
 
+async def _expire_approximations(indexer: Indexer, interval_secs: float) -> None:
+    """Writes and queries of a partition expire its approximations; this catches the rest."""
+    while True:
+        await asyncio.sleep(interval_secs)
+        indexer.expire_approximations()
+
+
 async def _collect_garbage(interval_secs: float) -> None:
     """A full garbage collection every `interval_secs`: the process collects only young objects
     on its own (see `dynamo_lite.cli.tune_garbage_collector`)."""
@@ -220,6 +288,8 @@ class IndexerConfig:
     which is 0 (no periodic full collection) for an app embedded without `serve`)."""
 
     max_blocks: int = 0  # per partition; 0: unbounded
+    approx_ttl_secs: float = DEFAULT_APPROX_TTL_SECS  # how long a /routed block counts
+    approx_max_blocks: int = DEFAULT_APPROX_MAX_BLOCKS  # per partition, (rank, block) approximations; 0: unbounded
     peers: tuple[str, ...] = ()  # indexers to recover from at start-up, first reachable wins
     recovery_deadline_secs: float = 10.0
     snapshot: str | None = None  # file loaded at start-up, rewritten periodically and at shutdown
@@ -238,7 +308,9 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
     shutdown, after the requests in flight and after every engine listener has closed."""
     max_blocks, snapshot, full_gc_interval_secs = config.max_blocks, config.snapshot, config.full_gc_interval_secs
     workers, recovery_deadline_secs = config.workers, config.recovery_deadline_secs
-    indexer = indexer if indexer is not None else Indexer(max_blocks)
+    if indexer is None:
+        indexer = Indexer(max_blocks, approx_ttl_secs=config.approx_ttl_secs,
+                          approx_max_blocks=config.approx_max_blocks)
     peer_list = PeerList(list(config.peers))
     listeners = Listeners(indexer, replay_timeout_secs=config.replay_timeout_secs)
     routes = IndexerRoutes(indexer, peer_list, listeners)
@@ -252,7 +324,8 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
         await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
         for subscription in workers:
             routes.subscribe(subscription)
-        tasks = [asyncio.create_task(_log_evictions(indexer))]
+        tasks = [asyncio.create_task(_log_evictions(indexer)),
+                 asyncio.create_task(_expire_approximations(indexer, APPROX_SWEEP_INTERVAL_SECS))]
         if full_gc_interval_secs > 0:
             tasks.append(asyncio.create_task(_collect_garbage(full_gc_interval_secs)))
         if snapshots is not None:
@@ -265,12 +338,7 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             await asyncio.gather(*tasks, return_exceptions=True)
             await listeners.close()
             if snapshots is not None:
-                try:
-                    await snapshots.save()
-                except OSError as exc:
-                    logger.error("cannot write the final snapshot to %s: %s", snapshots.path, exc)
-                else:
-                    logger.info("wrote the final snapshot to %s", snapshots.path)
+                await snapshots.save_final()
 
     app = http.Service(
         routes=[
@@ -281,6 +349,7 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             http.post("/events", routes.events, read=decode_events_document, max_body=LARGE_BODY),
             http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest),
             http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY),
+            http.post("/routed", routes.routed, request_type=RoutedRequest, max_body=LARGE_BODY),
             http.get("/dump", routes.dump),
             http.get("/peers", routes.list_peers),
             http.post("/register_peer", routes.register_peer),

@@ -70,6 +70,24 @@ class IndexerCollector(Collector):
             "blocks evicted, least recently used first, to keep a partition within --max-blocks",
             getattr(indexer, "evicted_blocks_total", 0),
         )
+        yield GaugeMetricFamily(
+            NAMESPACE + "approximate_blocks",
+            "(rank, block) approximations held now: blocks of requests reported to /routed, per rank",
+            indexer.approximate_blocks(),
+        )
+        yield CounterMetricFamily(
+            NAMESPACE + "approximate_blocks_expired",
+            "approximations dropped because their TTL (--approx-ttl-secs) ran out",
+            indexer.approx_totals.expired,
+        )
+        yield CounterMetricFamily(
+            NAMESPACE + "approximate_blocks_evicted",
+            "approximations dropped, first to expire first, to keep a partition within --approx-max-blocks",
+            indexer.approx_totals.evicted,
+        )
+        yield GaugeMetricFamily(
+            NAMESPACE + "approximate_ttl_seconds", "the configured --approx-ttl-secs", indexer.approx_ttl_secs
+        )
 
 
 class ListenerCollector(Collector):

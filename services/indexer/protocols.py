@@ -3,7 +3,8 @@
 A document maps each partition, written `"<model_name>:<tenant_id>"`, to its block size and
 its events:
 
-    {"llama:default": {"block_size": 16, "events": [RouterEvent, ...]}, ...}
+    {"llama:default": {"block_size": 16, "events": [RouterEvent, ...],
+                       "approximations"?: [Approximation, ...]}, ...}
 
     RouterEvent = {"worker_id": u64, "dp_rank"?: u32, "storage_tier"?: tier,
                    "residency_domain"?: ignored,
@@ -14,8 +15,14 @@ its events:
          | {"removed": {"block_hashes": [hash, ...]}}
          | "cleared"
 
+    Approximation = {"worker_id": u64, "dp_rank"?: u32, "parent_hash"?: hash | null,
+                     "blocks": [{"block_hash": hash, "tokens_hash": hash,
+                                 "expires_at": Unix time in seconds}, ...]}
+
 `block_hash` is the engine's opaque (external) id of a block, `tokens_hash` the local block
-hash the index is keyed on. A hash may be written as a u64 or as the i64 with the same bits;
+hash the index is keyed on. `approximations` (our extension, left out when a partition has
+none; Dynamo 1.6.1 ignores it) are the blocks `/routed` recorded, named by sequence hashes,
+with the time each expires. A hash may be written as a u64 or as the i64 with the same bits;
 both are normalised to u64 here, so the rest of the indexer only sees u64.
 
 Partition keys are split at the LAST colon: model names do contain colons ("meta/llama:8b",
@@ -32,7 +39,7 @@ or i64 range, got string`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Annotated, Any, Final, Literal, NoReturn, Optional, Union
 
@@ -91,11 +98,27 @@ class RouterEvent:
 
 
 @dataclass(slots=True)
+class Approximation:
+    """Blocks a rank is assumed to hold because requests were routed to it (`/routed`), as a
+    chain under `parent_hash` like `Stored`: `block_hashes` are sequence hashes of the local
+    hashes `tokens_hashes`, and `expires_at[i]` is when block i's approximation lapses (Unix
+    time in seconds)."""
+
+    worker_id: int
+    dp_rank: int
+    parent_hash: int | None
+    block_hashes: list[int]
+    tokens_hashes: list[int]
+    expires_at: list[float]
+
+
+@dataclass(slots=True)
 class PartitionEvents:
     model_name: str
     tenant_id: str
     block_size: int
     events: list[RouterEvent]
+    approximations: list[Approximation] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -142,9 +165,38 @@ def _parse_partition(key: str, section: Any) -> PartitionEvents:
     events = section.get("events", _MISSING)
     if type(events) is not list:
         _bad(f"{where}.events", "an array of RouterEvents", events)
+    approximations = section.get("approximations", _MISSING)
     return PartitionEvents(
-        model_name, tenant_id, block_size, [_parse_event(event, where, i) for i, event in enumerate(events)]
+        model_name,
+        tenant_id,
+        block_size,
+        [_parse_event(event, where, i) for i, event in enumerate(events)],
+        [] if approximations is _MISSING else _parse_approximations(approximations, where),
     )
+
+
+def _parse_approximations(raw: Any, where: str) -> list[Approximation]:
+    """msgspec's own type check names the bad field (`... - at `$[0].blocks[1].expires_at``);
+    the hash and id ranges are checked here."""
+    try:
+        entries = msgspec.convert(raw, list[_Approximation])
+    except msgspec.ValidationError as error:
+        raise InvalidShape(f"{where}.approximations: {error}") from None
+    try:
+        return [_approximation(entry) for entry in entries]
+    except _Refused:
+        for index, entry in enumerate(entries):
+            path = f"{where}.approximations[{index}]"
+            if entry.worker_id > U64_MAX:
+                _bad(f"{path}.worker_id", "an integer in the u64 range", entry.worker_id)
+            if entry.parent_hash is not None and not I64_MIN <= entry.parent_hash <= U64_MAX:
+                _bad(f"{path}.parent_hash", f"null or {_HASH_RANGE}", entry.parent_hash)
+            for position, block in enumerate(entry.blocks):
+                for name in ("block_hash", "tokens_hash"):
+                    value = getattr(block, name)
+                    if not I64_MIN <= value <= U64_MAX:
+                        _bad(f"{path}.blocks[{position}].{name}", _HASH_RANGE, value)
+        raise
 
 
 def _parse_event(raw: Any, where: str, index: int) -> RouterEvent:
@@ -322,9 +374,23 @@ class _RouterEvent(msgspec.Struct):
     dp_rank: Union[Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)], UnsetType] = UNSET
 
 
+class _ApproximateBlock(msgspec.Struct):
+    block_hash: int
+    tokens_hash: int
+    expires_at: float
+
+
+class _Approximation(msgspec.Struct):
+    worker_id: Annotated[int, msgspec.Meta(ge=0)]
+    blocks: list[_ApproximateBlock]
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)] = 0
+    parent_hash: Optional[int] = None
+
+
 class _Section(msgspec.Struct):
     block_size: Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
     events: list[_RouterEvent]
+    approximations: list[_Approximation] = []
 
 
 _decode_document = msgspec.json.Decoder(dict[str, _Section]).decode
@@ -348,7 +414,28 @@ def _section(key: str, section: _Section) -> PartitionEvents:
     model_name, colon, tenant_id = key.rpartition(":")
     if not colon:
         raise _Refused
-    return PartitionEvents(model_name, tenant_id, section.block_size, [_event(event) for event in section.events])
+    return PartitionEvents(
+        model_name,
+        tenant_id,
+        section.block_size,
+        [_event(event) for event in section.events],
+        [_approximation(entry) for entry in section.approximations],
+    )
+
+
+def _approximation(raw: _Approximation) -> Approximation:
+    parent = raw.parent_hash
+    if raw.worker_id > U64_MAX or (parent is not None and not I64_MIN <= parent <= U64_MAX):
+        raise _Refused
+    blocks = raw.blocks
+    return Approximation(
+        raw.worker_id,
+        raw.dp_rank,
+        None if parent is None else to_unsigned(parent),
+        _u64s(list(map(_block_hashes, blocks))),
+        _u64s(list(map(_tokens_hashes, blocks))),
+        [block.expires_at for block in blocks],
+    )
 
 
 def _event(raw: _RouterEvent) -> RouterEvent:
@@ -429,12 +516,32 @@ def event_to_json(event: RouterEvent) -> dict[str, Any]:
     }
 
 
+def approximation_to_json(approximation: Approximation) -> dict[str, Any]:
+    return {
+        "worker_id": approximation.worker_id,
+        "dp_rank": approximation.dp_rank,
+        "parent_hash": approximation.parent_hash,
+        "blocks": [
+            {"block_hash": block_hash, "tokens_hash": tokens_hash, "expires_at": expires_at}
+            for block_hash, tokens_hash, expires_at in zip(
+                approximation.block_hashes, approximation.tokens_hashes, approximation.expires_at
+            )
+        ],
+    }
+
+
+def section_to_json(partition: PartitionEvents) -> dict[str, Any]:
+    """One partition's section; `approximations` only when it has some, so the dump of an
+    index fed by events alone is exactly Dynamo's."""
+    section: dict[str, Any] = {
+        "block_size": partition.block_size,
+        "events": [event_to_json(event) for event in partition.events],
+    }
+    if partition.approximations:
+        section["approximations"] = [approximation_to_json(entry) for entry in partition.approximations]
+    return section
+
+
 def events_document(partitions: Iterable[PartitionEvents]) -> dict[str, Any]:
     """The `/dump` document of `partitions` (one key each, even when it has no events)."""
-    return {
-        partition.key: {
-            "block_size": partition.block_size,
-            "events": [event_to_json(event) for event in partition.events],
-        }
-        for partition in partitions
-    }
+    return {partition.key: section_to_json(partition) for partition in partitions}

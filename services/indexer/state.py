@@ -12,18 +12,33 @@ re-delivered batches (the events of one engine batch share its id), reports gaps
 event the index refuses is counted with a reason. Engine listeners (`listeners.py`) apply one
 ZMQ batch at a time through `apply_batch`, and `reset_rank` when an engine restarted.
 
+Ranks whose engines publish nothing are approximated (`record_routed`, see `approx.py`): the
+blocks of the requests routed to them count for a TTL. A partition has an `Approximations` only
+while some rank of it has approximations, so exact partitions pay nothing for them. A rank's
+`source` says how it is indexed: `events` (it has an engine subscription or has had an event),
+`approximate` (only approximations so far), `none` (registered, nothing yet).
+
 Errors are `dynamo_lite.errors` kinds only; mapping them to HTTP is the shell's job.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from dynamo_lite.errors import Conflict, InvalidArgument, InvalidShape, NotFound
 from dynamo_lite.hashing import local_block_hashes
+from dynamo_lite.indexer.approx import (
+    DEFAULT_MAX_BLOCKS,
+    DEFAULT_TTL_SECS,
+    ApproxTotals,
+    Approximations,
+    RoutedReport,
+)
 from dynamo_lite.indexer.protocols import (
+    DEVICE,
     LOWER_TIERS,
     PartitionEvents,
     Removed,
@@ -36,7 +51,10 @@ from dynamo_lite.indexer.protocols import (
 from dynamo_lite.indexer.tree import PrefixTree, StoreStatus, WorkerKey
 
 PartitionId = tuple[str, str]  # (model_name, tenant_id)
-Source = Literal["register", "events"]
+Source = Literal["events", "approximate", "none"]
+EVENTS: Final = "events"
+APPROXIMATE: Final = "approximate"
+NONE: Final = "none"
 
 MAX_LISTED: Final = 100  # rejections / gaps itemised in one report; the counts stay exact
 
@@ -44,6 +62,7 @@ MAX_LISTED: Final = 100  # rejections / gaps itemised in one report; the counts 
 @dataclass(slots=True)
 class Rank:
     source: Source
+    registered: bool = False  # by /register (or --workers), not only seen in events or /routed
     endpoint: str | None = None
     last_event_id: int | None = None
     replay_endpoint: str | None = None
@@ -56,6 +75,7 @@ class Partition:
     block_size: int
     tree: PrefixTree = field(default_factory=PrefixTree)
     ranks: dict[WorkerKey, Rank] = field(default_factory=dict)
+    approx: Approximations | None = None  # while some rank has approximations
 
     def describe(self) -> str:
         return f"model={self.model_name} tenant_id={self.tenant_id}"
@@ -65,9 +85,11 @@ class Partition:
 class RankInfo:
     dp_rank: int
     source: Source
+    registered: bool
     endpoint: str | None
     blocks: int  # device-tier blocks held (including any held below a removed block)
     lower_tier_blocks: int  # host_pinned + disk + external
+    approximate_blocks: int  # device blocks approximated by /routed (below a removed block too)
     last_event_id: int | None
     replay_endpoint: str | None = None
     listener: Any = None  # the shell fills in its ZMQ listener's state, if it has one
@@ -113,12 +135,28 @@ class ApplyReport:
 class Indexer:
     """Every partition of the process. Not thread-safe: call it from one thread."""
 
-    def __init__(self, max_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        max_blocks: int = 0,
+        *,
+        approx_ttl_secs: float = DEFAULT_TTL_SECS,
+        approx_max_blocks: int = DEFAULT_MAX_BLOCKS,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         """`max_blocks`: per partition, at most this many device (worker, block) pairs and
-        this many blocks per lower tier, least recently used evicted first; 0: unlimited."""
+        this many blocks per lower tier, least recently used evicted first; 0: unlimited.
+        `approx_ttl_secs`, `approx_max_blocks` (0: unlimited): how long a routed block counts
+        for its rank, and how many (rank, block) approximations a partition keeps at most.
+        `clock` times the approximations; `wall_clock` dates them in dumps."""
         self.partitions: dict[PartitionId, Partition] = {}
         self._owner: dict[int, Partition] = {}  # instance id -> its partition
         self.max_blocks = max_blocks
+        self.approx_ttl_secs = approx_ttl_secs
+        self.approx_max_blocks = approx_max_blocks
+        self.approx_totals = ApproxTotals()
+        self.clock = clock
+        self.wall_clock = wall_clock
         self._evicted_in_dropped = 0  # evictions of partitions that have since disappeared
         # Totals over every `apply_events` call since start-up, for the metrics.
         self.events_applied_total = 0
@@ -149,15 +187,16 @@ class Indexer:
         partition = self._partition_for(model_name, tenant_id, block_size)
         key = (instance_id, dp_rank)
         rank = partition.ranks.get(key)
-        if rank is not None and rank.source == "register":
+        if rank is not None and rank.registered:
             raise Conflict(f"instance {instance_id} dp_rank {dp_rank} already registered")
         if rank is None:
-            partition.ranks[key] = Rank("register", endpoint, replay_endpoint=replay_endpoint)
+            rank = partition.ranks[key] = Rank(NONE)
             partition.tree.add_worker(key)
-        else:
-            rank.source = "register"
-            rank.endpoint = endpoint
-            rank.replay_endpoint = replay_endpoint
+        rank.registered = True
+        rank.endpoint = endpoint
+        rank.replay_endpoint = replay_endpoint
+        if endpoint is not None:
+            rank.source = EVENTS  # its engine publishes: the subscription feeds it
         self.partitions[(model_name, tenant_id)] = partition
         self._owner[instance_id] = partition
 
@@ -176,6 +215,7 @@ class Indexer:
             raise NotFound(f"instance {instance_id} dp_rank {dp_rank} not found")
         for key in doomed:
             del owner.ranks[key]
+            self._forget_approximations(owner, key)
             owner.tree.drop_worker(key)
             self._labels.pop(key, None)
         if not any(key[0] == instance_id for key in owner.ranks):
@@ -190,6 +230,7 @@ class Indexer:
         result: list[WorkerInfo] = []
         for partition in self._matching(model_name, tenant_id):
             tree = partition.tree
+            approx = partition.approx
             instances: dict[int, list[RankInfo]] = {}
             for key in sorted(partition.ranks):
                 rank = partition.ranks[key]
@@ -197,9 +238,11 @@ class Indexer:
                     RankInfo(
                         key[1],
                         rank.source,
+                        rank.registered,
                         rank.endpoint,
                         tree.block_count(key),
                         sum(tree.block_count(key, tier) for tier in LOWER_TIERS),
+                        approx.block_count(tree, key) if approx is not None else 0,
                         rank.last_event_id,
                         rank.replay_endpoint,
                     )
@@ -217,6 +260,90 @@ class Indexer:
     def evicted_blocks_total(self) -> int:
         """Blocks dropped by the `max_blocks` limit since start-up, in every partition."""
         return self._evicted_in_dropped + sum(p.tree.evicted_blocks for p in self.partitions.values())
+
+    def approximate_blocks(self) -> int:
+        """(rank, block) approximations held now, in every partition."""
+        return sum(
+            sum(map(p.tree.block_count, p.approx.serials))
+            for p in self.partitions.values()
+            if p.approx is not None
+        )
+
+    # --- approximations -----------------------------------------------------------------------
+
+    def record_routed(
+        self, model_name: str, tenant_id: str, instance_id: int, dp_rank: int, local_hashes: Sequence[int]
+    ) -> RoutedReport:
+        """The rank was chosen for a prompt with these local block hashes (u64 or i64, from its
+        first block): it is assumed to hold them for `approx_ttl_secs`, refreshed when routed
+        again. An unknown rank of the partition is added (source "approximate"), as `/events`
+        adds unknown ranks; an unknown partition is a NotFound (no block size is known for it),
+        an instance of another partition a Conflict."""
+        partition = self._existing(model_name, tenant_id)
+        owner = self._owner.get(instance_id)
+        if owner is not None and owner is not partition:
+            raise Conflict(f"instance {instance_id} is already registered for {owner.describe()}")
+        if not local_hashes:
+            return RoutedReport(0, 0, 0)
+        key = (instance_id, dp_rank)
+        report = self._approximations(partition).record(partition.tree, key, local_hashes, self.clock())
+        if report.recorded:
+            self._approximated_rank(partition, key)
+        self._settle(partition)
+        return report
+
+    def record_routed_tokens(
+        self,
+        model_name: str,
+        tenant_id: str,
+        instance_id: int,
+        dp_rank: int,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RoutedReport:
+        """`record_routed` for a prompt's token ids, hashed as `query_tokens` hashes them."""
+        hashes = self._hash_tokens(self._existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
+        return self.record_routed(model_name, tenant_id, instance_id, dp_rank, hashes)
+
+    def expire_approximations(self) -> int:
+        """Drop every approximation past its TTL, in every partition; returns how many.
+        O(expired + partitions): writes and queries of a partition expire it too."""
+        now = self.clock()
+        expired = 0
+        for partition in list(self.partitions.values()):
+            if partition.approx is not None:
+                expired += partition.approx.expire(partition.tree, now)
+                self._settle(partition)
+        return expired
+
+    def _approximations(self, partition: Partition) -> Approximations:
+        approx = partition.approx
+        if approx is None:
+            approx = partition.approx = Approximations(self.approx_ttl_secs, self.approx_max_blocks, self.approx_totals)
+        return approx
+
+    def _approximated_rank(self, partition: Partition, key: WorkerKey) -> None:
+        rank = partition.ranks.get(key)
+        if rank is None:
+            partition.ranks[key] = Rank(APPROXIMATE)
+            partition.tree.add_worker(key)
+            self._owner[key[0]] = partition
+        elif rank.source == NONE:
+            rank.source = APPROXIMATE
+
+    def _forget_approximations(self, partition: Partition, key: WorkerKey) -> None:
+        if partition.approx is not None:
+            partition.approx.forget_rank(partition.tree, key)
+            self._settle(partition)
+
+    def _settle(self, partition: Partition) -> None:
+        """Once no approximation is left, the partition goes back to exact matching only."""
+        approx = partition.approx
+        if approx is not None and not approx.timers:
+            approx.release(partition.tree)
+            partition.approx = None
 
     # --- events -------------------------------------------------------------------------------
 
@@ -261,10 +388,12 @@ class Indexer:
                     f"block_size mismatch for model={pid[0]} tenant_id={pid[1]}: "
                     f"existing={size}, requested={section.block_size}"
                 )
-            if size is None and (section.events or keep_empty):
+            if size is None and (section.events or section.approximations or keep_empty):
                 _check_block_size(section.block_size)
                 sizes[pid] = section.block_size
-            for instance_id in {event.worker_id for event in section.events}:
+            instance_ids = {event.worker_id for event in section.events}
+            instance_ids.update(entry.worker_id for entry in section.approximations)
+            for instance_id in instance_ids:
                 owner = self._owner.get(instance_id)
                 other = (owner.model_name, owner.tenant_id) if owner is not None else claimed.get(instance_id)
                 if other is not None and other != pid:
@@ -279,7 +408,7 @@ class Indexer:
         # engine batch share its sequence number as their id, and are applied together.
         open_batches: dict[WorkerKey, int] = {}
         for section in document:
-            if not section.events and watermarks:
+            if not section.events and not section.approximations and watermarks:
                 continue  # live ingest: an empty section changes nothing
             partition = self._partition_for(section.model_name, section.tenant_id, section.block_size)
             self.partitions[(section.model_name, section.tenant_id)] = partition
@@ -302,7 +431,27 @@ class Indexer:
                         rank.last_event_id = event_id
                         open_batches[key] = event_id
                 self._apply_one(partition, key, event, report, section.key, index)
+            if section.approximations:
+                self._load_approximations(partition, section, report)
         return report
+
+    def _load_approximations(self, partition: Partition, section: PartitionEvents, report: ApplyReport) -> None:
+        """A document's approximations (a dump's), with the time each has left; chains the
+        index refuses count as rejected, their reason naming `approximations[i]`."""
+        for entry in section.approximations:
+            self._approximated_rank(partition, (entry.worker_id, entry.dp_rank))
+        approx = self._approximations(partition)
+        refused = approx.load(partition.tree, section.approximations, self.clock(), self.wall_clock())
+        for rejection in refused:
+            report.rejected += 1
+            if len(report.rejections) < MAX_LISTED:
+                index = rejection.index
+                entry = section.approximations[index]
+                reason = _reason(
+                    rejection.status, entry.worker_id, entry.dp_rank, entry.parent_hash, "an approximate block"
+                )
+                report.rejections.append(Rejection(section.key, index, f"approximations[{index}]: {reason}"))
+        self._settle(partition)
 
     def apply_batch(self, model_name: str, tenant_id: str, events: Sequence[RouterEvent]) -> ApplyReport:
         """Apply one engine batch, received by a listener of this partition, whole.
@@ -334,16 +483,20 @@ class Indexer:
         if rank is None:
             return 0
         dropped = partition.tree.block_count(key)
+        self._forget_approximations(partition, key)
         partition.tree.clear(key)
         rank.last_event_id = None
         return dropped
 
     def _rank(self, partition: Partition, key: WorkerKey) -> Rank:
+        """The rank an event is for, created if unknown; it is fed by events from now on."""
         rank = partition.ranks.get(key)
         if rank is None:
-            rank = partition.ranks[key] = Rank("events")
+            rank = partition.ranks[key] = Rank(EVENTS)
             partition.tree.add_worker(key)
             self._owner[key[0]] = partition
+        elif rank.source != EVENTS:
+            rank.source = EVENTS
         return rank
 
     def _apply_one(
@@ -356,11 +509,18 @@ class Indexer:
             if status is not StoreStatus.STORED:
                 report.rejected += 1
                 if len(report.rejections) < MAX_LISTED:
-                    report.rejections.append(Rejection(where, index, _reason(status, key[0], key[1], data)))
+                    report.rejections.append(
+                        Rejection(where, index, _reason(status, key[0], key[1], data.parent_hash, "a device block"))
+                    )
                 return
         elif type(data) is Removed:
+            approx = partition.approx
+            if approx is not None and event.storage_tier == DEVICE:
+                approx.forget_blocks(tree, key, data.block_hashes)
+                self._settle(partition)
             report.unknown_removals += tree.remove(key, data.block_hashes, event.storage_tier)
         else:
+            self._forget_approximations(partition, key)
             tree.clear(key)
         report.applied += 1
 
@@ -379,7 +539,14 @@ class Indexer:
         that the disk and external ones; the instance values are maxima over its ranks.
         """
         partition = self._existing(model_name, tenant_id)
-        match = partition.tree.match(local_hashes)
+        approx = partition.approx
+        if approx is None:
+            match = partition.tree.match(local_hashes)
+        else:
+            approx.expire(partition.tree, self.clock())
+            match = partition.tree.match(local_hashes)
+            approx.fold(match)
+            self._settle(partition)
         block_size = partition.block_size
         device, host, disk = match.device, match.host_pinned, match.disk
         scores: dict[str, dict[str, int]] = {}
@@ -435,13 +602,7 @@ class Indexer:
         cache_salt: str | None = None,
     ) -> dict[str, Any]:
         """`query` for a prompt's token ids, hashed with the partition's block size."""
-        partition = self._existing(model_name, tenant_id)
-        try:
-            hashes = local_block_hashes(
-                token_ids, partition.block_size, lora_name=lora_name, cache_salt=cache_salt
-            )
-        except ValueError as error:
-            raise InvalidShape(str(error)) from None
+        hashes = self._hash_tokens(self._existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
         return self.query(model_name, tenant_id, hashes)
 
     def dump(self) -> dict[str, Any]:
@@ -451,13 +612,32 @@ class Indexer:
 
     def dump_partitions(self) -> list[PartitionEvents]:
         """What `dump` shows, before it becomes JSON: the events reference no index state, so
-        they can be encoded elsewhere (another thread) while the index changes."""
-        return [
-            PartitionEvents(partition.model_name, partition.tenant_id, partition.block_size, partition.tree.dump())
-            for partition in self._matching(None, None)
-        ]
+        they can be encoded elsewhere (another thread) while the index changes. Approximations
+        are dated in Unix time, so a snapshot loaded after a restart expires them on time."""
+        self.expire_approximations()
+        now, wall_now = self.clock(), self.wall_clock()
+        dumped = []
+        for partition in self._matching(None, None):
+            approx, tree = partition.approx, partition.tree
+            section = PartitionEvents(partition.model_name, partition.tenant_id, partition.block_size, [])
+            if approx is None:
+                section.events = tree.dump()
+            else:
+                section.events = tree.dump(approx.is_exact)
+                section.approximations = approx.dump(tree, now, wall_now)
+            dumped.append(section)
+        return dumped
 
     # --- internals ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _hash_tokens(
+        partition: Partition, token_ids: Sequence[int], lora_name: str | None, cache_salt: str | None
+    ) -> list[int]:
+        try:
+            return local_block_hashes(token_ids, partition.block_size, lora_name=lora_name, cache_salt=cache_salt)
+        except ValueError as error:
+            raise InvalidShape(str(error)) from None
 
     def _existing(self, model_name: str, tenant_id: str) -> Partition:
         partition = self.partitions.get((model_name, tenant_id))
@@ -495,10 +675,10 @@ def _check_block_size(block_size: int) -> None:
         raise InvalidArgument("block_size must be greater than 0")
 
 
-def _reason(status: StoreStatus, worker_id: int, dp_rank: int, data: Stored) -> str:
+def _reason(status: StoreStatus, worker_id: int, dp_rank: int, parent_hash: int | None, kind: str) -> str:
     who = f"worker {worker_id} dp_rank {dp_rank}"
     if status is StoreStatus.UNKNOWN_PARENT:
-        return f"parent_hash {data.parent_hash} is not a device block of {who}"
+        return f"parent_hash {parent_hash} is not {kind} of {who}"
     if status is StoreStatus.SELF_REFERENCE:
         return "a block_hash repeats within the event or equals its parent_hash"
     return f"a block_hash of the event already names a different block of {who}"

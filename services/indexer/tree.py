@@ -84,7 +84,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from operator import attrgetter
@@ -338,6 +338,41 @@ class PrefixTree:
         if tier == DEVICE:
             return len(slot.blocks)
         return len(slot.lower.get(tier, ()))
+
+    def held_hashes(self, worker: WorkerKey) -> list[int]:
+        """The slot's own external hashes of every device block it holds (below a gap too)."""
+        slot = self.slots.get(worker)
+        return [] if slot is None else list(slot.blocks)
+
+    def holds(self, worker: WorkerKey, block_hashes: Sequence[int]) -> tuple[int, int]:
+        """How many leading `block_hashes` name device blocks the slot holds, and how many
+        of them all do (below a gap too). Two C-level passes."""
+        slot = self.slots.get(worker)
+        if slot is None:
+            return 0, 0
+        flags = list(map(slot.blocks.__contains__, block_hashes))
+        held = sum(flags)
+        return (len(flags) if held == len(flags) else flags.index(False)), held
+
+    def counterparts(self, worker: WorkerKey, block_hashes: Sequence[int], other: WorkerKey) -> list[int]:
+        """`other`'s own external hashes of the device blocks that `worker` names
+        `block_hashes`, for the blocks both hold: one dict lookup or two per hash."""
+        slot = self.slots.get(worker)
+        counterpart = self.slots.get(other)
+        if slot is None or counterpart is None:
+            return []
+        blocks = slot.blocks
+        theirs = counterpart.blocks
+        overrides = counterpart.overrides
+        found = []
+        for ext in block_hashes:
+            node = blocks.get(ext)
+            if node is None:
+                continue
+            own = overrides.get(node, node.ext) if overrides else node.ext
+            if theirs.get(own) is node:
+                found.append(own)
+        return found
 
     def _slot(self, worker: WorkerKey) -> WorkerSlot:
         slot = self.slots.get(worker)
@@ -894,10 +929,11 @@ class PrefixTree:
 
     # --- dump ---------------------------------------------------------------------------------
 
-    def dump(self) -> list[RouterEvent]:
+    def dump(self, include: Callable[[WorkerKey], bool] | None = None) -> list[RouterEvent]:
         """Stored events that rebuild the index, parents before children: the device tier as
         chains (one event per run of single-child nodes and slot holding it), then one
         single-block event per lower-tier block. event_id counts from 0 in each tier section.
+        `include`: only the slots it accepts (all when None).
 
         Dormant blocks (held below a removed block) are left out: no stored event can
         express them, and leaving them out changes no query answer.
@@ -926,6 +962,8 @@ class PrefixTree:
             _settle_lengths(lengths, mask, len(run))
             parent = start.parent
             for slot in sorted((by_bit[bit] for bit in lengths), key=lambda s: s.key):
+                if include is not None and not include(slot.key):
+                    continue
                 overrides = slot.overrides
                 covered = run[: lengths[slot.bit]]
                 parent_hash = None
@@ -944,6 +982,8 @@ class PrefixTree:
         for tier in LOWER_TIERS:
             event_id = 0
             for key in sorted(self.slots):
+                if include is not None and not include(key):
+                    continue
                 slot = self.slots[key]
                 for ext, (parent_hash, local) in slot.lower.get(tier, {}).items():
                     events.append(RouterEvent(key[0], key[1], event_id, tier, Stored(parent_hash, [ext], [local])))

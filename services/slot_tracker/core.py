@@ -26,23 +26,30 @@ Costs, where set operations over a request's or a query's hashes run in C:
 * `/potential_loads`: one lookup per distinct query hash, Python steps per group it hits and
   per (distinct holder mask, holding slot), then one row per rank.
 * `/loads`: one row per rank.
+* `/output_blocks`: O(1), a difference added to the request's slot.
 
 None of these depends on how many requests are active. Hashes shared in scattered subsets
 rather than as prefixes split groups down to single hashes: the answers stay exact, but every
 operation then takes Python steps per hash, as it did before groups.
+
+`dump()` (`/dump`, snapshots) takes O(workers + requests), sharing the requests' hash tuples;
+`restore()` replays the dumped requests' `/add`s in their order, so it costs what they did.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import Literal
 
+import msgspec
 from sortedcontainers import SortedDict
 
-from dynamo_lite.errors import Conflict, InvalidArgument, NotFound
+from dynamo_lite.errors import Conflict, InvalidArgument, NotFound, ServiceError
+from dynamo_lite.validation import I64, U32, U64
 
 MAX_DP_SIZE = 4096
 U32_LIMIT = 2**32 - 1
@@ -181,6 +188,54 @@ class PotentialLoad:
     active_requests: int
 
 
+# --- the dump: the whole state as data (`GET /dump`, snapshots, recovery from a peer) -----------
+# msgspec structs: encoded and decoded (with every type checked) in one C pass each. Fields are
+# encoded in declaration order; the lists come last so a writer can stream them.
+
+DUMP_VERSION = 1  # a reader refuses any other: `version` is declared `Literal[1]`
+
+
+class DumpedWorker(msgspec.Struct):
+    worker_id: U64
+    block_size: U32
+    dp_start: U32
+    dp_size: U32
+
+
+class DumpedRequest(msgspec.Struct):
+    """An `/add` body, with `new_isl_tokens` the prompt tokens still to prefill (0 once prefill
+    completed), plus the request's output blocks and the seconds left before it expires: the
+    core's clock is monotonic and per process, so a time of `/add` would mean nothing elsewhere."""
+
+    request_id: str
+    worker_id: U64
+    dp_rank: U32
+    sequence_hashes: tuple[I64, ...]  # as sent, repeats included
+    new_isl_tokens: U64
+    output_blocks: U32
+    remaining_ttl_secs: float
+
+
+class DumpedPartition(msgspec.Struct):
+    model_name: str
+    tenant_id: str
+    workers: list[DumpedWorker]
+    requests: list[DumpedRequest]  # in expiry order, which is /add order
+
+
+class SlotTrackerDump(msgspec.Struct):
+    version: Literal[1]
+    taken_at: float  # wall-clock (Unix) time of the dump: how long ago remaining TTLs were true
+    partitions: list[DumpedPartition]
+
+
+@dataclass
+class RestoreReport:
+    workers: int
+    requests: int
+    expired: int  # requests left out because their TTL ran out before the restore
+
+
 class SlotTracker:
     """All partitions of one process. Not thread-safe: call it from one thread (the event loop)."""
 
@@ -281,7 +336,7 @@ class SlotTracker:
         request_id: str,
         worker_id: int,
         dp_rank: int,
-        sequence_hashes: list[int],
+        sequence_hashes: Sequence[int],
         new_isl_tokens: int = 0,
     ) -> None:
         self.version += 1
@@ -342,7 +397,10 @@ class SlotTracker:
     def set_output_blocks(self, model_name: str, tenant_id: str, request_id: str, output_blocks: int) -> None:
         """Sets how many output blocks the request holds now: an absolute count, so a retried
         call changes nothing, and one smaller than the last is a conflict (output only grows).
-        They add to its rank's decode blocks until the request is freed or expires. O(1)."""
+        They add to its rank's decode blocks until the request is freed or expires. O(1).
+
+        The TTL still counts from /add, as for every request (and in Dynamo): it bounds how
+        long any request holds load whatever its gateway reports, and keeps expiry in /add order."""
         self.version += 1
         partition = self._partition(model_name, tenant_id)
         request = partition.requests.get(request_id)
@@ -410,6 +468,78 @@ class SlotTracker:
         if expired:
             self.version += 1
         return expired
+
+    # --- dump and restore -----------------------------------------------------------------
+
+    def dump(self, *, taken_at: float) -> SlotTrackerDump:
+        """The whole state as data, partitions in (model_name, tenant_id) order: their workers,
+        and their active requests in expiry order with the TTL each has left. `taken_at` is the
+        caller's wall-clock time, from which a later restore measures how long ago that was.
+        Requests past their TTL that no sweep has freed yet are left out (the next sweep would
+        free them). O(workers + requests): the hash tuples are shared, not copied (they never
+        change)."""
+        now = self.clock()
+        ttl = self.request_ttl_secs
+        partitions = []
+        for partition in self._matching(None, None):
+            workers = [DumpedWorker(w.worker_id, w.block_size, w.dp_start, w.dp_size)
+                       for w in partition.workers.values()]
+            requests = []
+            for request in partition.requests.values():
+                left = request.added_at + ttl - now
+                if left > 0:
+                    slot = request.slot
+                    requests.append(DumpedRequest(request.request_id, slot.worker_id, slot.dp_rank, request.hashes,
+                                                  request.prefill_tokens, request.output_blocks, left))
+            partitions.append(DumpedPartition(partition.model_name, partition.tenant_id, workers, requests))
+        return SlotTrackerDump(DUMP_VERSION, taken_at, partitions)
+
+    def restore(self, dump: SlotTrackerDump, *, elapsed_secs: float = 0.0) -> RestoreReport:
+        """Replace the whole state with `dump`'s as it is `elapsed_secs` (≥ 0) after the dump:
+        its workers register again and its requests are added again in order, each with the TTL
+        it had left less `elapsed_secs`, cut to this tracker's TTL. So loads, potential loads and
+        expiry times are the dumped tracker's; requests whose TTL ran out are left out. Costs
+        what the adds cost (they rebuild the groups).
+
+        A dump no tracker produces (a request on an unknown rank, a request id or partition
+        twice, requests out of expiry order) raises the ServiceError of the first such entry,
+        naming its partition, and changes nothing."""
+        scratch = SlotTracker(request_ttl_secs=self.request_ttl_secs, clock=self.clock)
+        now = self.clock()
+        ttl = self.request_ttl_secs
+        report = RestoreReport(0, 0, 0)
+        seen: set[PartitionKey] = set()
+        for dumped in dump.partitions:
+            model_name, tenant_id = key = dumped.model_name, dumped.tenant_id
+            try:
+                if key in seen:
+                    raise Conflict("partition listed twice")
+                seen.add(key)
+                for worker in dumped.workers:
+                    scratch.register(worker.worker_id, model_name, tenant_id, worker.block_size, worker.dp_start,
+                                     worker.dp_size)
+                report.workers += len(dumped.workers)
+                previous_ttl = 0.0
+                for request in dumped.requests:
+                    # Expiry pops requests from the front of /add order: that order must be theirs.
+                    if request.remaining_ttl_secs < previous_ttl:
+                        raise InvalidArgument(f"request {request.request_id} is out of expiry order")
+                    previous_ttl = request.remaining_ttl_secs
+                    left = min(request.remaining_ttl_secs - elapsed_secs, ttl)
+                    if left <= 0:
+                        report.expired += 1
+                        continue
+                    scratch.add(model_name, tenant_id, request.request_id, request.worker_id, request.dp_rank,
+                                request.sequence_hashes, request.new_isl_tokens)
+                    scratch.partitions[key].requests[request.request_id].added_at = now - ttl + left
+                    if request.output_blocks:
+                        scratch.set_output_blocks(model_name, tenant_id, request.request_id, request.output_blocks)
+                    report.requests += 1
+            except ServiceError as exc:
+                raise type(exc)(f"model={model_name} tenant_id={tenant_id}: {exc.message}") from None
+        self.partitions = scratch.partitions
+        self.version += 1
+        return report
 
     # --- internals ------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ class SlotTrackerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         partitions = list(self.tracker.partitions.values())
-        workers = ranks = requests = tracked = decode_blocks = prefill_tokens = 0
+        workers = ranks = requests = tracked = decode_blocks = output_blocks = prefill_tokens = 0
         for partition in partitions:
             workers += len(partition.workers)
             ranks += len(partition.slots)
@@ -33,6 +33,7 @@ class SlotTrackerCollector(Collector):
             tracked += len(partition.holders)
             for slot in partition.slots.values():
                 decode_blocks += len(slot.block_refs) + slot.output_blocks
+                output_blocks += slot.output_blocks
                 prefill_tokens += slot.prefill_tokens
         yield GaugeMetricFamily(NAMESPACE + "partitions", "(model_name, tenant_id) partitions", len(partitions))
         yield GaugeMetricFamily(NAMESPACE + "workers", "registered workers", workers)
@@ -47,6 +48,11 @@ class SlotTrackerCollector(Collector):
             NAMESPACE + "active_decode_blocks",
             "the sum of every rank's active_decode_blocks in /loads",
             decode_blocks,
+        )
+        yield GaugeMetricFamily(
+            NAMESPACE + "output_blocks",
+            "output blocks set by /output_blocks for active requests, included in active_decode_blocks",
+            output_blocks,
         )
         yield GaugeMetricFamily(
             NAMESPACE + "active_prefill_tokens",
