@@ -8,7 +8,8 @@ Per LLM request a gateway makes two reads, concurrently, then one write:
    active prefill tokens and projected decode blocks;
 3. slot tracker `POST /add` on the chosen rank (then `/prefill_complete` at the first output
    token, `/output_blocks` every `block_size` generated tokens and `/free` at the end, through
-   the returned `RequestHandle`).
+   the returned `RequestHandle`); when the chosen rank's engine publishes no KV events, indexer
+   `POST /routed` with the prompt's local hashes at the same time (approximate indexing).
 
 The cost of Dynamo's KV router decides (lower is better):
 `cost = overlap_score_weight * prefill_blocks + decode_blocks`, where
@@ -23,6 +24,7 @@ normalised to [0, 1], as Dynamo's `softmax_sample` does.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import time
@@ -31,6 +33,12 @@ from dataclasses import dataclass, field, replace
 
 from .client import AsyncIndexerClient, AsyncSlotTrackerClient, PotentialLoad, ServiceCallError
 from .hashing import local_block_hashes, sequence_hashes, to_signed
+
+
+_logger = logging.getLogger("dynamo_lite.routing")
+
+DEFAULT_SOURCES_REFRESH_SECS = 5.0
+"""How long `KvRouter` trusts what the indexer's `/workers` said about each rank's `source`."""
 
 
 class NoWorkerAvailable(Exception):
@@ -154,6 +162,7 @@ class Decision:
     costs: list[RankCost]
     config: RouterConfig
     lookup_secs: float
+    local_hashes: list[int] = field(default_factory=list)  # what /routed records, if it is called
 
     @property
     def chosen(self) -> RankCost:
@@ -201,6 +210,12 @@ class KvRouter:
     `block_size` is the model's tokens per KV block (as its workers registered); `seed` makes
     the tie-breaking and sampling reproducible. The router holds no state per request: one
     instance serves all of a gateway's concurrent requests for that block size.
+
+    `record_routes` says when `commit` also records the decision on the indexer (`/routed`,
+    approximate indexing): None (the default) when the chosen rank's engine publishes no KV
+    events, i.e. the indexer knows the partition and its `/workers` does not say `source:
+    "events"` for the rank (read at most every `sources_refresh_secs` per model and tenant);
+    True always; False never.
     """
 
     def __init__(
@@ -211,14 +226,22 @@ class KvRouter:
         block_size: int,
         config: RouterConfig | None = None,
         seed: int | None = None,
+        record_routes: bool | None = None,
+        sources_refresh_secs: float = DEFAULT_SOURCES_REFRESH_SECS,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
+        if not sources_refresh_secs >= 0:
+            raise ValueError("sources_refresh_secs must be >= 0")
         self.slot_tracker = slot_tracker
         self.indexer = indexer
         self.block_size = block_size
         self.config = config or RouterConfig()
         self.rng = random.Random(seed)
+        self.record_routes = record_routes
+        self.sources_refresh_secs = sources_refresh_secs
+        # (model_name, tenant_id) -> (read at, monotonic; {(instance_id, dp_rank): source})
+        self._sources: dict[tuple[str, str], tuple[float, dict[tuple[int, int], str]]] = {}
 
     def hashes_for(
         self, token_ids: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
@@ -267,19 +290,61 @@ class KvRouter:
         costs = score_ranks(loads, cached, isl_tokens, self.block_size, config)
         chosen = choose(costs, config.router_temperature, self.rng)
         return Decision(model_name, tenant_id, chosen.worker_id, chosen.dp_rank, isl_tokens,
-                        list(sequence_hashes), costs, config, lookup_secs)
+                        list(sequence_hashes), costs, config, lookup_secs, list(local_hashes))
 
     async def commit(self, decision: Decision, request_id: str) -> RequestHandle:
-        """Book the chosen rank with `/add` (new prefill tokens = the prompt minus its cached part).
+        """Book the chosen rank with `/add` (new prefill tokens = the prompt minus its cached part),
+        and record the decision on the indexer (`record`) at the same time.
 
-        A `ServiceCallError` with status 404 means the rank left since `select`: select again.
+        A `ServiceCallError` with status 404 from `/add` means the rank left since `select`:
+        select again.
         """
-        await self.slot_tracker.add(
+        add = self.slot_tracker.add(
             decision.model_name, request_id, decision.worker_id, decision.dp_rank,
             decision.sequence_hashes, decision.isl_tokens - decision.chosen.cached_tokens,
             tenant_id=decision.tenant_id,
         )
+        await asyncio.gather(add, self.record(decision))
         return RequestHandle(self.slot_tracker, decision, request_id)
+
+    async def record(self, decision: Decision) -> bool:
+        """Record the decision on the indexer (`/routed`) if `record_routes` says so for its
+        rank; returns whether it did. Called by `commit`; call it yourself only when booking
+        the request some other way.
+
+        A 404 (the indexer knows no such partition: register the workers there) is logged, not
+        raised: the request is booked either way, and routing still works, without the
+        approximation.
+        """
+        if not await self._records(decision):
+            return False
+        try:
+            await self.indexer.routed(
+                decision.worker_id, decision.model_name, decision.local_hashes,
+                dp_rank=decision.dp_rank, tenant_id=decision.tenant_id,
+            )
+        except ServiceCallError as exc:
+            if exc.status != 404:
+                raise
+            _logger.warning("not recorded on the indexer: %s", exc.message)
+            return False
+        return True
+
+    async def _records(self, decision: Decision) -> bool:
+        if self.record_routes is not None:
+            return self.record_routes
+        key = (decision.model_name, decision.tenant_id)
+        known = self._sources.get(key)
+        now = time.monotonic()
+        if known is None or now - known[0] >= self.sources_refresh_secs:
+            instances = await self.indexer.workers(*key)
+            sources = {(info["instance_id"], rank["dp_rank"]): rank["source"]
+                       for info in instances for rank in info["ranks"]}
+            known = (now, sources)
+            self._sources[key] = known
+        sources = known[1]
+        # An empty partition is one the indexer does not know: nothing to record into.
+        return bool(sources) and sources.get((decision.worker_id, decision.dp_rank)) != "events"
 
     async def _cached_tokens(
         self, model_name: str, tenant_id: str, local_hashes: Sequence[int]

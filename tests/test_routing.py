@@ -147,3 +147,69 @@ def test_router_prefers_the_worker_holding_the_prefix_and_books_it() -> None:
             assert all(c.cost == c.decode_blocks for c in overridden.costs)
 
     asyncio.run(scenario())
+
+
+def test_router_records_routes_for_ranks_without_events_and_only_for_them() -> None:
+    import asyncio
+
+    import httpx
+
+    from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+    from dynamo_lite.hashing import local_block_hashes, sequence_hashes
+    from dynamo_lite.indexer.app import create_app as create_indexer
+    from dynamo_lite.routing import KvRouter
+    from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
+
+    def in_process(app) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://service")
+
+    async def approximate_blocks(indexer: AsyncIndexerClient) -> dict[tuple[int, int], tuple[str, int]]:
+        return {(info["instance_id"], rank["dp_rank"]): (rank["source"], rank["approximate_blocks"])
+                for info in await indexer.workers("m") for rank in info["ranks"]}
+
+    async def scenario() -> None:
+        async with AsyncSlotTrackerClient(client=in_process(create_slot_tracker())) as slots, \
+                AsyncIndexerClient(client=in_process(create_indexer())) as indexer:
+            router = KvRouter(slots, indexer, block_size=BLOCK, seed=1, sources_refresh_secs=0)
+            tokens = list(range(BLOCK * 8))
+            local, chained = router.hashes_for(tokens)
+
+            # The indexer knows no partition "m" yet: nothing to record into, and no call made.
+            await slots.register(1, "m", BLOCK)
+            decision = await router.select("m", isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained)
+            assert not await router.record(decision)
+            forced = KvRouter(slots, indexer, block_size=BLOCK, record_routes=True)
+            assert not await forced.record(decision)  # 404 from /routed: logged, not raised
+
+            # Workers 1 and 2 publish nothing: the chosen one is approximated, and the next
+            # request with the same prefix goes there for its cache.
+            await slots.register(2, "m", BLOCK)
+            for worker in (1, 2):
+                await indexer.register(worker, "m", BLOCK)
+            decision = await router.select("m", isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained)
+            assert decision.local_hashes == local
+            handle = await router.commit(decision, "req-1")
+            chosen = (decision.worker_id, decision.dp_rank)
+            other = (3 - decision.worker_id, 0)
+            assert (await approximate_blocks(indexer))[chosen] == ("approximate", 8)
+            assert (await approximate_blocks(indexer))[other] == ("none", 0)
+            await handle.free()
+            again = await router.select("m", isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained)
+            assert ((again.worker_id, again.dp_rank), again.chosen.cached_tokens) == (chosen, 8 * BLOCK)
+
+            # A rank whose engine publishes events is indexed exactly: never recorded (unless
+            # asked), and a router told never to record does not.
+            unsigned = local_block_hashes(tokens, BLOCK)
+            await indexer.events({"m:default": {"block_size": BLOCK, "events": [
+                {"worker_id": other[0], "event": {"event_id": 0, "dp_rank": 0, "data": {"stored": {
+                    "parent_hash": None, "blocks": [{"block_hash": e, "tokens_hash": h}
+                                                    for e, h in zip(sequence_hashes(unsigned)[:2], unsigned[:2])]}}}}]}})
+            decision.worker_id = other[0]
+            assert not await router.record(decision)
+            assert await forced.record(decision)
+            assert (await approximate_blocks(indexer))[other] == ("events", 8)
+            never = KvRouter(slots, indexer, block_size=BLOCK, record_routes=False)
+            decision.worker_id = chosen[0]
+            assert not await never.record(decision)
+
+    asyncio.run(scenario())

@@ -23,6 +23,7 @@ from dynamo_lite.hashing import local_block_hashes, sequence_hashes
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer
 from dynamo_lite.simulate.__main__ import build_parser, main
+from dynamo_lite.simulate.bound import fleet_lru_bound
 from dynamo_lite.simulate.calls import percentile
 from dynamo_lite.simulate.fleet import FleetConfig, RankCache, events_document
 from dynamo_lite.simulate.metrics import RankLoad, TimeWeighted
@@ -31,6 +32,7 @@ from dynamo_lite.simulate.progress import Progress
 from dynamo_lite.simulate.trace import (
     BlockExpander,
     TraceError,
+    SimRequest,
     TraceRecord,
     expand_trace,
     load_trace,
@@ -262,6 +264,32 @@ def test_expand_trace_orders_by_arrival_stably_and_scales_time() -> None:
         expand_trace(records, 48)
 
 
+# --- the fleet-wide LRU bound ------------------------------------------------------------------
+
+
+def sim_request(index: int, arrival: float, *local: int, block_size: int = 64) -> SimRequest:
+    local_hashes, seq = path(*local)
+    return SimRequest(index, arrival, len(local) * block_size, 10, tuple(local_hashes), tuple(seq))
+
+
+def test_the_bound_is_one_fleet_sized_lru_fed_in_arrival_order() -> None:
+    config = FleetConfig(workers=2, kv_blocks=2, block_size=64)  # one LRU of 4 blocks
+    requests = [
+        sim_request(0, 0.0, 1, 2),
+        sim_request(1, 1.0, 1, 2, 3),  # hits 1, 2
+        sim_request(2, 2.0, 7, 8, 9),  # evicts 3 (the leaf), then 2: the least recent leaves
+        sim_request(3, 3.0, 1, 2),  # only 1 is left
+        sim_request(4, 0.5, 1),  # arrives second: hits 1
+    ]
+    bound = fleet_lru_bound(requests, config)
+    assert bound.capacity_blocks == 4
+    assert bound.prompt_tokens == 64 * (2 + 3 + 3 + 2 + 1)
+    assert bound.cached_tokens == 64 * (0 + 1 + 2 + 0 + 1)
+    assert bound.hit_ratio == pytest.approx(4 / 11)
+    # Unbounded, every repeated prefix hits.
+    assert fleet_lru_bound(requests, FleetConfig(workers=1, kv_blocks=100)).cached_tokens == 64 * (1 + 2 + 0 + 2)
+
+
 # --- small pure helpers -----------------------------------------------------------------------
 
 
@@ -269,9 +297,15 @@ def test_time_weighted_load_and_distinct_blocks() -> None:
     load = RankLoad(0.0)
     load.add(0.0, [1, 2, 3])
     load.add(2.0, [1, 2, 9])
-    load.remove(3.0, [1, 2, 3])
+    load.remove(3.0, [1, 2, 3], 0)
     assert (load.requests.value, load.blocks.value, load.blocks.peak) == (1, 3, 4)
     assert load.requests.average(0.0, 4.0) == pytest.approx((1 * 2 + 2 * 1 + 1 * 1) / 4)
+    # Output blocks add to the decode blocks and leave with their request.
+    load.grow_output(4.0, 2)
+    assert load.blocks.value == 5
+    load.remove(6.0, [1, 2, 9], 2)
+    assert (load.requests.value, load.blocks.value) == (0, 0)
+    assert load.blocks.average(0.0, 6.0) == pytest.approx((3 * 2 + 4 * 1 + 3 * 1 + 5 * 2) / 6)
     series = TimeWeighted(0.0)
     assert series.average(0.0, 0.0) == 0.0
 
@@ -374,25 +408,38 @@ def test_replay_against_both_services(tmp_path: Path, capsys: pytest.CaptureFixt
             assert [w.worker_id for w in slot_tracker.workers("taken")] == [1]
 
     results = {r["policy"]: r for r in document["results"]}
-    assert list(results) == ["kv", "round_robin", "random", "least_loaded"]
+    assert list(results) == ["kv", "kv_approx", "round_robin", "random", "least_loaded"]
     assert document["fleet"]["workers"] == 4 and "load" in document["definitions"]
+    bound = document["bound"]
+    assert bound["capacity_blocks"] == 4 * 256 and 0 < bound["hit_ratio"] <= 1
+    # Every output block the trace's requests fill before their last token, reported once.
+    output_blocks = sum(-(-r["output_length"] // 64) - 1 for r in map(json.loads, trace.read_text().splitlines()))
     for result in results.values():
         assert result["requests"] == 200
         assert 0 <= result["hit_ratio"] <= 1
+        assert result["hit_ratio_of_bound"] == pytest.approx(result["hit_ratio"] / bound["hit_ratio"])
         assert result["ttft_seconds"]["p99"] >= result["ttft_seconds"]["mean"] > 0
         assert result["load"]["active_requests"]["max"] >= result["load"]["active_requests"]["mean"] > 0
         assert sum(result["load"]["routed_per_rank"].values()) == 200
+        assert result["checks"]["slot_tracker_idle_at_end"]
+        calls = {(c["service"], c["route"]): c["calls"] for c in result["calls"]}
+        assert calls[("slot_tracker", "/output_blocks")] == output_blocks > 0
+        assert {("slot_tracker", "/add"), ("slot_tracker", "/prefill_complete"), ("slot_tracker", "/free")} <= set(calls)
         ingest = result["indexer_ingest"]
-        assert ingest["applied"] > 0
+        if result["policy"] == "kv_approx":  # its engines publish nothing: the router records
+            assert ingest["documents"] == 0 and ("indexer", "/events") not in calls
+            assert calls[("indexer", "/routed")] == 200
+            assert "indexer_matches_fleet" not in result["checks"]
+            continue
+        assert ingest["applied"] > 0 and ("indexer", "/events") in calls
         assert (ingest["rejected"], ingest["skipped"], ingest["gap_count"], ingest["unknown_removals"]) == (0, 0, 0, 0)
-        assert result["checks"]["slot_tracker_idle_at_end"] and result["checks"]["indexer_matches_fleet"]
-        routes = {(c["service"], c["route"]) for c in result["calls"]}
-        assert {("slot_tracker", "/add"), ("slot_tracker", "/prefill_complete"), ("slot_tracker", "/free"),
-                ("indexer", "/events")} <= routes
+        assert result["checks"]["indexer_matches_fleet"]
+        assert ("indexer", "/routed") not in calls
     assert ("indexer", "/query_by_hash") in {(c["service"], c["route"]) for c in results["kv"]["calls"]}
-    assert results["kv"]["hit_ratio"] >= results["round_robin"]["hit_ratio"]
-    assert results["kv"]["hit_ratio"] >= results["random"]["hit_ratio"]
-    assert results["kv"]["expected_cached_tokens"] > 0
+    for routed in ("kv", "kv_approx"):
+        assert results[routed]["hit_ratio"] >= results["round_robin"]["hit_ratio"]
+        assert results[routed]["hit_ratio"] >= results["random"]["hit_ratio"]
+        assert results[routed]["expected_cached_tokens"] > 0
 
     # Same seed, fresh services state: the same simulated outcome.
     rerun = again["results"][0]
@@ -431,5 +478,5 @@ def test_simulate_without_trace_replays_the_bundled_sample(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     assert "; 40 requests," in done.stdout and "hit ratio" in done.stdout
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) +(\d\.\d+) ", done.stdout, re.MULTILINE)}
-    assert set(rows) == {"kv", "round_robin", "random", "least_loaded"}
+    assert set(rows) == {"kv", "kv_approx", "round_robin", "random", "least_loaded"}
     assert all(0 <= ratio <= 1 for ratio in rows.values())

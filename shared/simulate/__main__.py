@@ -27,6 +27,7 @@ import orjson
 from dynamo_lite.client import ServiceCallError
 from dynamo_lite.routing import RouterConfig
 
+from .bound import fleet_lru_bound
 from .calls import LatencyRecorder, service_clients
 from .engine import PolicyResult, Simulation, check_capacity
 from .fleet import FleetConfig
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         requests = expand_trace(records, config.block_size, args.time_scale)
         del records
         check_capacity(requests, config)
+        bound = fleet_lru_bound(requests, config)
         # Millions of long-lived hashes: keep them out of the collector's full passes, whose
         # pauses would otherwise land inside timed service calls.
         gc.freeze()
@@ -197,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         "slot_tracker": args.slot_tracker, "indexer": args.indexer,
     }
     if args.json:
-        document = run_document(results, config, settings)
+        document = run_document(results, config, settings, bound)
         sys.stdout.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
-        sys.stdout.write(format_tables(results, config))
+        sys.stdout.write(format_tables(results, config, bound))
     return 0
 
 

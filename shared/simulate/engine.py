@@ -12,7 +12,10 @@ awaited, but how long they take never enters the simulated clock. Per request:
    `uncached tokens / prefill_tps`;
 3. prefill end: the new blocks are published (`stored`), slot tracker `/prefill_complete`;
    TTFT = prefill end - arrival (queue wait + prefill);
-4. decode end after `output tokens / decode_tps`: the prompt blocks are unpinned, slot tracker
+4. during decode, every `block_size` generated tokens: slot tracker `/output_blocks` with the
+   request's output blocks so far, so its rank's decode load grows as the output does (the
+   simulated KV memory holds prompt blocks only);
+5. decode end after `output tokens / decode_tps`: the prompt blocks are unpinned, slot tracker
    `/free`.
 
 At one instant, completions are handled before arrivals. The KV events and slot tracker
@@ -20,7 +23,8 @@ notifications produced since the last routing decision are delivered right befor
 (and at the end), so every decision sees the services exactly as if each had been sent at its
 instant, with far fewer round trips: one `/events` document holding the events of those
 instants in the order the ranks produced them (ids still +1 per rank), concurrently with the
-`/prefill_complete`s and `/free`s in the order they happened, one call at a time.
+`/prefill_complete`s, `/output_blocks` and `/free`s in the order they happened, one call at a
+time.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ from .policies import Policy
 from .trace import SimRequest
 
 TENANT = "default"
-_PREFILL_DONE, _DECODE_DONE = 0, 1  # order of completions at one instant
+_PREFILL_DONE, _OUTPUT_BLOCK, _DECODE_DONE = 0, 1, 2  # order of completions at one instant
+# What the slot tracker hears after an event, in `_pending_notices`
+_NOTE_PREFILL_COMPLETE, _NOTE_OUTPUT_BLOCKS, _NOTE_FREE = "prefill_complete", "output_blocks", "free"
 
 ProgressCallback = Callable[[int, int], None]  # (finished requests, total)
 
@@ -72,6 +78,7 @@ class _Request:
     prefill_start: float = math.nan
     prefill_end: float = math.nan
     waited_for_memory: bool = False
+    output_blocks: int = 0  # full blocks of generated tokens so far
 
 
 @dataclass(slots=True)
@@ -175,7 +182,7 @@ class Simulation:
         self._heap: list[tuple[float, int, int, _Request]] = []
         self._sequence = 0
         self._pending_events: list[RouterEventJson] = []
-        self._pending_notices: list[tuple[bool, str]] = []  # (is a free, request id), in order
+        self._pending_notices: list[tuple[str, str, int]] = []  # (what, request id, output blocks), in order
         self.ingest = IngestTotals()
         self._ttfts: list[float] = []
         self._waits: list[float] = []
@@ -213,9 +220,12 @@ class Simulation:
 
     async def verify(self) -> dict[str, Any]:
         """Cross-check the services against the simulated fleet after the replay: every request
-        freed in the slot tracker, and the indexer holding exactly each rank's cached blocks."""
+        freed in the slot tracker, and (when the engines published events) the indexer holding
+        exactly each rank's cached blocks."""
         loads = await self.slot_tracker.loads(self.model_name, TENANT)
         busy = [(x.worker_id, x.dp_rank) for x in loads if x.active_decode_blocks or x.active_prefill_tokens]
+        if not self.policy.publishes_events:
+            return {"slot_tracker_idle_at_end": not busy}
         workers = await self.indexer.workers(self.model_name, TENANT)
         indexed = {
             (info["instance_id"], rank["dp_rank"]): rank["blocks"] for info in workers for rank in info["ranks"]
@@ -265,6 +275,8 @@ class Simulation:
                 _, kind, _, item = heapq.heappop(heap)
                 if kind == _PREFILL_DONE:
                     self._prefill_done(item, now)
+                elif kind == _OUTPUT_BLOCK:
+                    self._output_block(item, now)
                 else:
                     self._decode_done(item, now)
                     finished += 1
@@ -306,7 +318,8 @@ class Simulation:
         state.queue.popleft()
         admission = state.cache.admit(request.local_hashes, request.sequence_hashes)
         if admission.removed is not None:
-            self._pending_events.append(admission.removed)
+            if self.policy.publishes_events:
+                self._pending_events.append(admission.removed)
             self._evicted += len(admission.evicted)
         item.admission = admission
         item.prefill_start = now
@@ -319,21 +332,31 @@ class Simulation:
         state = self.ranks[item.rank]
         assert item.admission is not None
         stored = state.cache.stored_event(item.admission)
-        if stored is not None:
+        if stored is not None and self.policy.publishes_events:
             self._pending_events.append(stored)
-        self._pending_notices.append((False, item.request_id))
+        self._pending_notices.append((_NOTE_PREFILL_COMPLETE, item.request_id, 0))
         item.prefill_end = now
         self._ttfts.append(now - item.request.arrival)
         self._waits.append(item.prefill_start - item.request.arrival)
         state.prefilling = None
-        self._schedule(now + self.config.decode_seconds(item.request.output_length), _DECODE_DONE, item)
+        config = self.config
+        # A block fills every block_size tokens; one filled by the last token is freed with the
+        # request at that same instant, so it is never reported.
+        for tokens in range(config.block_size, item.request.output_length, config.block_size):
+            self._schedule(now + config.decode_seconds(tokens), _OUTPUT_BLOCK, item)
+        self._schedule(now + config.decode_seconds(item.request.output_length), _DECODE_DONE, item)
         self._start_prefill(state, now)
+
+    def _output_block(self, item: _Request, now: float) -> None:
+        item.output_blocks += 1
+        self.ranks[item.rank].load.grow_output(now, 1)
+        self._pending_notices.append((_NOTE_OUTPUT_BLOCKS, item.request_id, item.output_blocks))
 
     def _decode_done(self, item: _Request, now: float) -> None:
         state = self.ranks[item.rank]
         state.cache.release(item.request.sequence_hashes)
-        state.load.remove(now, item.request.sequence_hashes)
-        self._pending_notices.append((True, item.request_id))
+        state.load.remove(now, item.request.sequence_hashes, item.output_blocks)
+        self._pending_notices.append((_NOTE_FREE, item.request_id, 0))
         self._start_prefill(state, now)
 
     def _schedule(self, when: float, kind: int, item: _Request) -> None:
@@ -357,15 +380,18 @@ class Simulation:
     async def _post_events(self, document: dict[str, Any]) -> None:
         self.ingest.add(await self.indexer.events(document))
 
-    async def _notify(self, notices: list[tuple[bool, str]]) -> None:
+    async def _notify(self, notices: list[tuple[str, str, int]]) -> None:
         # One call at a time, in the order they happened: a gateway's calls for one request are
         # sequential too, and the measured latency stays the service's, not a self-made queue's.
         model = self.model_name
-        for is_free, request_id in notices:
-            if is_free:
-                await self.slot_tracker.free(model, request_id, tenant_id=TENANT)
+        slot_tracker = self.slot_tracker
+        for what, request_id, output_blocks in notices:
+            if what == _NOTE_FREE:
+                await slot_tracker.free(model, request_id, tenant_id=TENANT)
+            elif what == _NOTE_OUTPUT_BLOCKS:
+                await slot_tracker.output_blocks(model, request_id, output_blocks, tenant_id=TENANT)
             else:
-                await self.slot_tracker.prefill_complete(model, request_id, tenant_id=TENANT)
+                await slot_tracker.prefill_complete(model, request_id, tenant_id=TENANT)
 
     # --- results ------------------------------------------------------------------------------
 

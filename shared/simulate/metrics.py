@@ -4,8 +4,9 @@ A rank's load is measured two ways, both from the request's `/add` (routing) unt
 (end of decode), i.e. queued, prefilling and decoding requests all count:
 
 * active requests;
-* active decode blocks: distinct prompt blocks (sequence hashes) held by those requests, which
-  is the slot tracker's `active_decode_blocks` and the decode term of the KV router's cost.
+* active decode blocks: distinct prompt blocks (sequence hashes) held by those requests plus
+  the output blocks they have generated so far, which is the slot tracker's
+  `active_decode_blocks` (with `/output_blocks`) and the decode term of the KV router's cost.
 
 Each is integrated over simulated time, so a run reports per rank the time-averaged value and
 the peak; across ranks the report gives the mean and the maximum of the time averages (a
@@ -56,15 +57,20 @@ class RankLoad:
         self.requests = TimeWeighted(start)
         self.blocks = TimeWeighted(start)
         self._refcounts: dict[int, int] = {}
+        self._output_blocks = 0  # never shared between requests, so a plain sum
 
     def add(self, now: float, seq_hashes: Sequence[int]) -> None:
         refcounts = self._refcounts
         for seq in seq_hashes:
             refcounts[seq] = refcounts.get(seq, 0) + 1
         self.requests.set(now, self.requests.value + 1)
-        self.blocks.set(now, len(refcounts))
+        self._update_blocks(now)
 
-    def remove(self, now: float, seq_hashes: Sequence[int]) -> None:
+    def grow_output(self, now: float, blocks: int) -> None:
+        self._output_blocks += blocks
+        self._update_blocks(now)
+
+    def remove(self, now: float, seq_hashes: Sequence[int], output_blocks: int) -> None:
         refcounts = self._refcounts
         for seq in seq_hashes:
             left = refcounts[seq] - 1
@@ -72,8 +78,12 @@ class RankLoad:
                 refcounts[seq] = left
             else:
                 del refcounts[seq]
+        self._output_blocks -= output_blocks
         self.requests.set(now, self.requests.value - 1)
-        self.blocks.set(now, len(refcounts))
+        self._update_blocks(now)
+
+    def _update_blocks(self, now: float) -> None:
+        self.blocks.set(now, len(self._refcounts) + self._output_blocks)
 
 
 def summarize(series: Sequence[TimeWeighted], start: float, end: float) -> LoadSummary:

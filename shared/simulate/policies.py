@@ -2,6 +2,9 @@
 
 * `kv` - the gateway's KV selector (`dynamo_lite.routing.KvRouter`): indexer overlap plus slot
   tracker loads, Dynamo's cost `overlap_weight * prefill_blocks + decode_blocks`;
+* `kv_approx` - the same selector for engines that publish no KV events: the simulated engines
+  send none, and the router records each decision on the indexer (`/routed`), which assumes
+  the prompt's blocks stay on the chosen rank for its `--approx-ttl-secs`;
 * `round_robin` - ranks in turn, blind to cache and load;
 * `random` - a seeded uniform choice, blind to cache and load;
 * `least_loaded` - fewest active decode blocks, read from the slot tracker's
@@ -26,7 +29,7 @@ from dynamo_lite.routing import KvRouter, RouterConfig
 from .fleet import RankKey
 from .trace import SimRequest
 
-POLICY_NAMES: Final = ("kv", "round_robin", "random", "least_loaded")
+POLICY_NAMES: Final = ("kv", "kv_approx", "round_robin", "random", "least_loaded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,7 @@ class Placement:
 
 class Policy(ABC):
     name: str
+    publishes_events = True  # whether the simulated engines send the indexer their KV events
 
     @abstractmethod
     async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
@@ -65,6 +69,23 @@ class KvPolicy(Policy):
             local_hashes=to_signed_list(request.local_hashes),
             sequence_hashes=signed_sequence_hashes,
         )
+        return Placement((decision.worker_id, decision.dp_rank), decision.chosen.cached_tokens)
+
+
+class KvApproxPolicy(KvPolicy):
+    name = "kv_approx"
+    publishes_events = False
+
+    async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
+        decision = await self.router.select(
+            self.model_name,
+            isl_tokens=request.input_length,
+            local_hashes=to_signed_list(request.local_hashes),
+            sequence_hashes=signed_sequence_hashes,
+        )
+        # The engine books the request itself (/add), so the router's `commit` is not used: the
+        # router only records the decision, as `commit` would (no rank ever publishes events).
+        await self.router.record(decision)
         return Placement((decision.worker_id, decision.dp_rank), decision.chosen.cached_tokens)
 
 
@@ -126,6 +147,8 @@ def make_policy(
 ) -> Policy:
     if name == "kv":
         return KvPolicy(slot_tracker, indexer, model_name, block_size, router_config, seed)
+    if name == "kv_approx":
+        return KvApproxPolicy(slot_tracker, indexer, model_name, block_size, router_config, seed)
     if name == "round_robin":
         return RoundRobinPolicy(ranks)
     if name == "random":

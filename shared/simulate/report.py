@@ -7,13 +7,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from .bound import CacheBound
 from .engine import PolicyResult
 from .fleet import FleetConfig
 
 LOAD_DEFINITION = (
     "load = per rank, time-averaged over the run (simulated time) from /add to /free: active "
     "requests (queued, prefilling, decoding) and active decode blocks (distinct prompt blocks of "
-    "those requests, the slot tracker's active_decode_blocks); mean = mean over ranks, "
+    "those requests plus their output blocks so far, the slot tracker's active_decode_blocks); "
+    "mean = mean over ranks, "
     "max = busiest rank"
 )
 LATENCY_DEFINITION = "call latency = client-side round trip per HTTP call, body included, during the replay"
@@ -23,7 +25,17 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def result_document(result: PolicyResult) -> dict[str, Any]:
+BOUND_DEFINITION = (
+    "bound = hit ratio of one LRU cache as large as the whole fleet's, fed every request in arrival "
+    "order: no router beats it with these caches; of bound = a policy's hit ratio / bound"
+)
+
+
+def _of_bound(hit_ratio: float, bound: CacheBound) -> float | None:
+    return hit_ratio / bound.hit_ratio if bound.hit_ratio else None
+
+
+def result_document(result: PolicyResult, bound: CacheBound) -> dict[str, Any]:
     routed = list(result.routed_per_rank.values())
     return {
         "policy": result.policy,
@@ -32,6 +44,7 @@ def result_document(result: PolicyResult) -> dict[str, Any]:
         "prompt_tokens": result.prompt_tokens,
         "cached_tokens": result.cached_tokens,
         "hit_ratio": result.hit_ratio,
+        "hit_ratio_of_bound": _of_bound(result.hit_ratio, bound),
         "expected_cached_tokens": result.expected_cached_tokens,
         "ttft_seconds": {
             "mean": result.ttft_mean,
@@ -63,16 +76,21 @@ def result_document(result: PolicyResult) -> dict[str, Any]:
 
 
 def run_document(
-    results: Sequence[PolicyResult], config: FleetConfig, settings: dict[str, Any]
+    results: Sequence[PolicyResult], config: FleetConfig, settings: dict[str, Any], bound: CacheBound
 ) -> dict[str, Any]:
     return {
         "fleet": asdict(config),
         "settings": settings,
-        "definitions": {"load": LOAD_DEFINITION, "latency": LATENCY_DEFINITION,
+        "bound": {"capacity_blocks": bound.capacity_blocks, "hit_ratio": bound.hit_ratio},
+        "definitions": {"load": LOAD_DEFINITION, "latency": LATENCY_DEFINITION, "bound": BOUND_DEFINITION,
                         "hit_ratio": "cached prompt tokens / prompt tokens (cached: on the rank at prefill start)",
                         "ttft": "queue wait + prefill (uncached tokens / prefill_tps), simulated seconds"},
-        "results": [result_document(result) for result in results],
+        "results": [result_document(result, bound) for result in results],
     }
+
+
+def _format_share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -88,13 +106,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(row) for row in rows)])
 
 
-def format_tables(results: Sequence[PolicyResult], config: FleetConfig) -> str:
+def format_tables(results: Sequence[PolicyResult], config: FleetConfig, bound: CacheBound) -> str:
     summary = _table(
-        ["policy", "hit ratio", "TTFT mean s", "TTFT p99 s", "req/rank mean", "req/rank max",
+        ["policy", "hit ratio", "of bound", "TTFT mean s", "TTFT p99 s", "req/rank mean", "req/rank max",
          "blocks/rank mean", "blocks/rank max", "wall s"],
         [
             [
-                r.policy, f"{r.hit_ratio:.3f}", f"{r.ttft_mean:.3f}", f"{r.ttft_p99:.3f}",
+                r.policy, f"{r.hit_ratio:.3f}", _format_share(_of_bound(r.hit_ratio, bound)),
+                f"{r.ttft_mean:.3f}", f"{r.ttft_p99:.3f}",
                 f"{r.load_requests.mean:.2f}", f"{r.load_requests.max:.2f}",
                 f"{r.load_blocks.mean:.0f}", f"{r.load_blocks.max:.0f}", f"{r.wall_seconds:.1f}",
             ]
@@ -122,5 +141,6 @@ def format_tables(results: Sequence[PolicyResult], config: FleetConfig) -> str:
         + (f"; {first.requests} requests, {first.prompt_tokens} prompt tokens, "
            f"{first.simulated_seconds:.0f} simulated s" if first else "")
     )
-    parts = [heading, "", summary, "", LOAD_DEFINITION + ".", "", LATENCY_DEFINITION + ":", latency, *problems]
+    heading += f"\nbound: hit ratio {bound.hit_ratio:.3f} for one LRU of {bound.capacity_blocks} blocks"
+    parts = [heading, "", summary, "", BOUND_DEFINITION + ".", LOAD_DEFINITION + ".", "", LATENCY_DEFINITION + ":", latency, *problems]
     return "\n".join(parts).rstrip() + "\n"
