@@ -69,24 +69,16 @@ class KvPolicy(Policy):
             local_hashes=to_signed_list(request.local_hashes),
             sequence_hashes=signed_sequence_hashes,
         )
+        if not self.publishes_events:
+            # The engine books the request itself (/add), not the router's `commit`, so the
+            # router records the decision here, as `commit` would for these ranks.
+            await self.router.record(decision)
         return Placement((decision.worker_id, decision.dp_rank), decision.chosen.cached_tokens)
 
 
 class KvApproxPolicy(KvPolicy):
     name = "kv_approx"
     publishes_events = False
-
-    async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
-        decision = await self.router.select(
-            self.model_name,
-            isl_tokens=request.input_length,
-            local_hashes=to_signed_list(request.local_hashes),
-            sequence_hashes=signed_sequence_hashes,
-        )
-        # The engine books the request itself (/add), so the router's `commit` is not used: the
-        # router only records the decision, as `commit` would (no rank ever publishes events).
-        await self.router.record(decision)
-        return Placement((decision.worker_id, decision.dp_rank), decision.chosen.cached_tokens)
 
 
 class RoundRobinPolicy(Policy):
