@@ -32,7 +32,7 @@ def held(tracker: SlotTracker) -> tuple[int, int, int]:
     (partition,) = tracker.partitions.values()
     return (
         len(partition.requests),
-        sum(len(slot.block_refs) for slot in partition.slots.values()),
+        sum(slot.blocks for slot in partition.slots.values()),
         len(partition.holders),
     )
 

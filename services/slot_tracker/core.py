@@ -11,7 +11,9 @@ request of that slot holding it leaves. Per partition:
   groups, because `/add` splits a group the request covers only partly; so a prompt prefix shared
   by many requests is one group however long it is, and a request's hashes that no other request
   holds are one more.
-* per slot, `block_refs` is the set of hashes it holds, and `len(block_refs)` its load.
+* per slot, `blocks` is the number of hashes it holds: the sizes of the groups whose refs name
+  it, kept as a count because a slot gains or loses whole groups (a set of its hashes cost a
+  hash-table operation per hash on every /add and /free, and most of those missed the cache).
 * `ranks` lists the slots in response order (worker_id, then dp_rank).
 * `requests` is an OrderedDict in `/add` order, which is also the expiry order (the TTL is the
   same for all), so expiry pops from the front and never scans.
@@ -62,7 +64,7 @@ class RankSlot:
     """One (worker_id, dp_rank) with its own load."""
 
     __slots__ = (
-        "worker_id", "dp_rank", "index", "bit", "block_refs", "output_blocks", "prefill_tokens", "request_count"
+        "worker_id", "dp_rank", "index", "bit", "blocks", "output_blocks", "prefill_tokens", "request_count"
     )
 
     def __init__(self, worker_id: int, dp_rank: int, index: int) -> None:
@@ -70,9 +72,7 @@ class RankSlot:
         self.dp_rank = dp_rank
         self.index = index  # its key in `Group.refs`; indexes of removed slots are reused
         self.bit = 1 << index  # its bit in `Group.mask`
-        # A set, not refcounts (those live on the groups): adding or dropping a whole group's
-        # hashes is then one C-level set operation. The name is what the metrics read.
-        self.block_refs: set[int] = set()
+        self.blocks = 0  # distinct hashes held: the sum of the sizes of the groups it holds
         # Output blocks are never shared, so a plain sum of its requests' counts.
         self.output_blocks = 0
         self.prefill_tokens = 0
@@ -306,16 +306,11 @@ class SlotTracker:
         if not partition.workers:
             del self.partitions[key]
             return
-        doomed = [rid for rid, request in partition.requests.items() if request.slot.worker_id == worker_id]
-        for request_id in doomed:
-            del partition.requests[request_id]
-        holders = partition.holders
+        doomed = [request for request in partition.requests.values() if request.slot.worker_id == worker_id]
+        for request in doomed:
+            del partition.requests[request.request_id]
+            _release(partition, request)  # every hash a slot holds is held through a request
         for slot in worker.slots:
-            for group in set(map(holders.__getitem__, slot.block_refs)):
-                del group.refs[slot.index]
-                group.mask ^= slot.bit
-                if not group.refs:
-                    _forget(holders, group)
             del partition.slots[(worker_id, slot.dp_rank)]
             partition.free_indexes.append(slot.index)
         partition.order_ranks()
@@ -370,15 +365,14 @@ class SlotTracker:
                 if count is None:
                     refs[index] = 1
                     group.mask |= slot.bit
+                    slot.blocks += group.size
                 else:
                     refs[index] = count + 1
         if new:
             group = Group(new, {slot.index: 1}, slot.bit)
             holders.update(dict.fromkeys(new, group))
             groups.append(group)
-        # The slot holds a group entirely or not at all, so this adds exactly the members of
-        # the groups it did not hold, without visiting them.
-        slot.block_refs |= distinct
+            slot.blocks += len(new)
         slot.prefill_tokens += new_isl_tokens
         slot.request_count += 1
         partition.requests[request_id] = ActiveRequest(
@@ -432,7 +426,7 @@ class SlotTracker:
                 slot.worker_id,
                 slot.dp_rank,
                 slot.prefill_tokens,
-                len(slot.block_refs) + slot.output_blocks,
+                slot.blocks + slot.output_blocks,
             )
             for p in self._matching(model_name, tenant_id)
             for slot in p.ranks
@@ -453,7 +447,7 @@ class SlotTracker:
                 slot.worker_id,
                 slot.dp_rank,
                 slot.prefill_tokens + new_isl_tokens,
-                len(slot.block_refs) + slot.output_blocks + query_length - held[slot.index],
+                slot.blocks + slot.output_blocks + query_length - held[slot.index],
                 slot.request_count,
             )
             for slot in partition.ranks
@@ -635,24 +629,17 @@ def _release(partition: Partition, request: ActiveRequest) -> None:
     if sum(map(_SIZE, groups)) != request.block_count:
         groups = set(map(holders.__getitem__, request.hashes))
     index = slot.index
-    dropped = []
-    kept = False
     for group in groups:
         refs = group.refs
         count = refs[index]
         if count > 1:
             refs[index] = count - 1
-            kept = True
         else:
             del refs[index]
             group.mask ^= slot.bit
-            dropped.append(group)
+            slot.blocks -= group.size
             if not refs:
                 _forget(holders, group)
-    if kept:
-        slot.block_refs.difference_update(*map(_MEMBERS, dropped))
-    else:
-        slot.block_refs.difference_update(request.hashes)  # all of it, without visiting groups
     slot.prefill_tokens -= request.prefill_tokens
     slot.output_blocks -= request.output_blocks
     slot.request_count -= 1
@@ -710,7 +697,6 @@ def _held_counts(partition: Partition, held: set[int]) -> list[int]:
     return counts
 
 
-_MEMBERS = attrgetter("members")
 _SIZE = attrgetter("size")
 _MASK = attrgetter("mask")
 _REFS = attrgetter("refs")

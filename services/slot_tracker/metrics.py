@@ -32,7 +32,7 @@ class SlotTrackerCollector(Collector):
             requests += len(partition.requests)
             tracked += len(partition.holders)
             for slot in partition.slots.values():
-                decode_blocks += len(slot.block_refs) + slot.output_blocks
+                decode_blocks += slot.blocks + slot.output_blocks
                 output_blocks += slot.output_blocks
                 prefill_tokens += slot.prefill_tokens
         yield GaugeMetricFamily(NAMESPACE + "partitions", "(model_name, tenant_id) partitions", len(partitions))
