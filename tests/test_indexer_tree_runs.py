@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from dynamo_lite.hashing import U64_MODULUS, to_signed
 from dynamo_lite.indexer import tree as tree_module
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer
+from dynamo_lite.indexer.state import Indexer, tiered_answer
 from dynamo_lite.indexer.tree import MatchResult, Node, PrefixTree, Run, StoreStatus
 
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0), (4, 2)]
@@ -311,13 +311,18 @@ class RunsMachine(RuleBasedStateMachine):
             assert result == plain_match(self.tree, list(prompt)).device
 
 
+def machine_settings(examples: int) -> settings:
+    """Long state-machine runs, at least `examples` of them (more when the profile asks)."""
+    return settings(
+        max_examples=max(examples, settings.default.max_examples),
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
 TestRuns = RunsMachine.TestCase
-TestRuns.settings = settings(
-    max_examples=max(200, settings.default.max_examples),
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TestRuns.settings = machine_settings(200)
 
 
 # --- the model suites again, with runs everywhere ----------------------------------------------
@@ -353,19 +358,9 @@ class SmallRunsEviction(SmallRuns, eviction_suite.EvictionMachine):
 
 
 TestSmallRunsIndexModel = SmallRunsIndexModel.TestCase
-TestSmallRunsIndexModel.settings = settings(
-    max_examples=max(150, settings.default.max_examples),
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TestSmallRunsIndexModel.settings = machine_settings(150)
 TestSmallRunsEviction = SmallRunsEviction.TestCase
-TestSmallRunsEviction.settings = settings(
-    max_examples=max(150, settings.default.max_examples),
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TestSmallRunsEviction.settings = machine_settings(150)
 
 
 # --- examples ---------------------------------------------------------------------------------
@@ -486,28 +481,10 @@ def test_mixed_forms_within_one_run(small_runs: None) -> None:
 
 
 def reference_answer(indexer: Indexer, model_name: str, tenant_id: str, hashes: list[int]) -> dict[str, Any]:
-    """`Indexer.query` as it was before runs and cached labels (node-by-node walk)."""
+    """`Indexer.query` as it was before runs and cached labels: the node-by-node walk, and the
+    answer shaped the general way, for every tier."""
     partition = indexer.partitions[(model_name, tenant_id)]
-    match = plain_match(partition.tree, hashes)
-    block_size = partition.block_size
-    device, host, disk = match.device, match.host_pinned, match.disk
-    scores: dict[str, dict[str, int]] = {}
-    instances: dict[str, dict[str, Any]] = {}
-    for (instance_id, dp_rank), blocks in sorted(device.items()):
-        scores.setdefault(str(instance_id), {})[str(dp_rank)] = blocks * block_size
-    for key in sorted(device.keys() | host.keys() | disk.keys()):
-        gpu = device.get(key, 0) * block_size
-        cpu = gpu + host.get(key, 0) * block_size
-        on_disk = cpu + disk.get(key, 0) * block_size
-        entry = instances.get(str(key[0]))
-        if entry is None:
-            entry = instances[str(key[0])] = {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
-        entry["dp"][str(key[1])] = gpu
-        entry["gpu"] = max(entry["gpu"], gpu)
-        entry["cpu"] = max(entry["cpu"], cpu)
-        entry["disk"] = max(entry["disk"], on_disk)
-        entry["longest_matched"] = max(entry["gpu"], entry["cpu"], entry["disk"])
-    return {"scores": scores, "frequencies": [], "instances": instances}
+    return tiered_answer(plain_match(partition.tree, hashes), partition.block_size)
 
 
 @pytest.mark.parametrize("min_run", [1, 8])

@@ -48,7 +48,7 @@ from dynamo_lite.indexer.protocols import (
     parse_events_document,
     partition_key,
 )
-from dynamo_lite.indexer.tree import PrefixTree, StoreStatus, WorkerKey
+from dynamo_lite.indexer.tree import MatchResult, PrefixTree, StoreStatus, WorkerKey
 
 PartitionId = tuple[str, str]  # (model_name, tenant_id)
 Source = Literal["events", "approximate", "none"]
@@ -548,48 +548,36 @@ class Indexer:
             approx.fold(match)
             self._settle(partition)
         block_size = partition.block_size
-        device, host, disk = match.device, match.host_pinned, match.disk
+        if match.host_pinned or match.disk:
+            return tiered_answer(match, block_size)
+        # Device only, the common case: ranks hold the same tokens on every tier, and labels of
+        # ranks are cached as strings.
+        device = match.device
         scores: dict[str, dict[str, int]] = {}
         instances: dict[str, dict[str, Any]] = {}
-        if not host and not disk:
-            labels = self._labels
-            for key in sorted(device):
-                tokens = device[key] * block_size
-                label = labels.get(key)
-                if label is None:
-                    label = labels[key] = (str(key[0]), str(key[1]))
-                name, rank = label
-                per_rank = scores.get(name)
-                if per_rank is None:
-                    scores[name] = {rank: tokens}
-                    instances[name] = {
-                        "longest_matched": tokens,
-                        "gpu": tokens,
-                        "dp": {rank: tokens},
-                        "cpu": tokens,
-                        "disk": tokens,
-                    }
-                    continue
-                per_rank[rank] = tokens
-                entry = instances[name]
-                entry["dp"][rank] = tokens
-                if tokens > entry["gpu"]:
-                    entry["longest_matched"] = entry["gpu"] = entry["cpu"] = entry["disk"] = tokens
-            return {"scores": scores, "frequencies": [], "instances": instances}
-        for (instance_id, dp_rank), blocks in sorted(device.items()):
-            scores.setdefault(str(instance_id), {})[str(dp_rank)] = blocks * block_size
-        for key in sorted(device.keys() | host.keys() | disk.keys()):
-            gpu = device.get(key, 0) * block_size
-            cpu = gpu + host.get(key, 0) * block_size
-            on_disk = cpu + disk.get(key, 0) * block_size
-            entry = instances.get(str(key[0]))
-            if entry is None:
-                entry = instances[str(key[0])] = {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
-            entry["dp"][str(key[1])] = gpu
-            entry["gpu"] = max(entry["gpu"], gpu)
-            entry["cpu"] = max(entry["cpu"], cpu)
-            entry["disk"] = max(entry["disk"], on_disk)
-            entry["longest_matched"] = max(entry["gpu"], entry["cpu"], entry["disk"])
+        labels = self._labels
+        for key in sorted(device):
+            tokens = device[key] * block_size
+            label = labels.get(key)
+            if label is None:
+                label = labels[key] = (str(key[0]), str(key[1]))
+            name, rank = label
+            per_rank = scores.get(name)
+            if per_rank is None:
+                scores[name] = {rank: tokens}
+                instances[name] = {
+                    "longest_matched": tokens,
+                    "gpu": tokens,
+                    "dp": {rank: tokens},
+                    "cpu": tokens,
+                    "disk": tokens,
+                }
+                continue
+            per_rank[rank] = tokens
+            entry = instances[name]
+            entry["dp"][rank] = tokens
+            if tokens > entry["gpu"]:
+                entry["longest_matched"] = entry["gpu"] = entry["cpu"] = entry["disk"] = tokens
         return {"scores": scores, "frequencies": [], "instances": instances}
 
     def query_tokens(
@@ -662,6 +650,29 @@ class Indexer:
         for pid in sorted(self.partitions):
             if (model_name is None or pid[0] == model_name) and (tenant_id is None or pid[1] == tenant_id):
                 yield self.partitions[pid]
+
+
+def tiered_answer(match: MatchResult, block_size: int) -> dict[str, Any]:
+    """The `/query_by_hash` answer for any match, lower tiers included: what `Indexer.query`
+    answers through its faster device-only path when no rank matched on host or disk."""
+    device, host, disk = match.device, match.host_pinned, match.disk
+    scores: dict[str, dict[str, int]] = {}
+    instances: dict[str, dict[str, Any]] = {}
+    for (instance_id, dp_rank), blocks in sorted(device.items()):
+        scores.setdefault(str(instance_id), {})[str(dp_rank)] = blocks * block_size
+    for key in sorted(device.keys() | host.keys() | disk.keys()):
+        gpu = device.get(key, 0) * block_size
+        cpu = gpu + host.get(key, 0) * block_size
+        on_disk = cpu + disk.get(key, 0) * block_size
+        entry = instances.get(str(key[0]))
+        if entry is None:
+            entry = instances[str(key[0])] = {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
+        entry["dp"][str(key[1])] = gpu
+        entry["gpu"] = max(entry["gpu"], gpu)
+        entry["cpu"] = max(entry["cpu"], cpu)
+        entry["disk"] = max(entry["disk"], on_disk)
+        entry["longest_matched"] = max(entry["gpu"], entry["cpu"], entry["disk"])
+    return {"scores": scores, "frequencies": [], "instances": instances}
 
 
 def _check_partition_name(tenant_id: str) -> None:

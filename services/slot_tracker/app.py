@@ -135,11 +135,9 @@ class OutputBlocksRequest(RequestBody):
 
     @classmethod
     def from_json(cls, body: Any) -> OutputBlocksRequest:
-        body = expect_object(body, "OutputBlocksRequest")
-        model_name = validation.string(body, "model_name")
-        tenant_id = validation.tenant(body)
-        return cls(model_name, validation.string(body, "request_id"), validation.u32(body, "output_blocks"),
-                   tenant_id)
+        request = RequestIdRequest.from_json(expect_object(body, "OutputBlocksRequest"))
+        return cls(request.model_name, request.request_id, validation.u32(body, "output_blocks"),
+                   request.tenant_id)
 
 
 class PotentialLoadsRequest(RequestBody):

@@ -573,23 +573,29 @@ class SlotTracker:
 _WALK_STEPS = 8
 
 
-def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> None:
-    """Appends to `groups` groups that exactly cover `known` (consumed), a set of held hashes,
-    splitting each group that holds hashes outside `known` too."""
+def _walk(holders: dict[int, Group], held: set[int]) -> Iterator[tuple[Group, set[int]]]:
+    """The first groups meeting `held`, a set of held hashes, each with its members in `held`
+    (removed from `held` as they are yielded), for at most `_WALK_STEPS` groups; whatever is
+    left in `held` afterwards is for the caller's per-hash pass."""
     for _ in range(_WALK_STEPS):
-        for block_hash in known:
+        if not held:
+            return
+        for block_hash in held:
             break
         group = holders[block_hash]
         members = group.members
-        if members <= known:
-            known -= members
-        else:
-            part = members & known
-            known -= part
-            group = _split(holders, group, part)
-        groups.append(group)
-        if not known:
-            return
+        common = members if members <= held else members & held
+        held -= common
+        yield group, common
+
+
+def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> None:
+    """Appends to `groups` groups that exactly cover `known` (consumed), a set of held hashes,
+    splitting each group that holds hashes outside `known` too."""
+    for group, part in _walk(holders, known):
+        groups.append(group if part is group.members else _split(holders, group, part))
+    if not known:
+        return
     counts = Counter(map(holders.__getitem__, known))
     # Distinct groups meeting `known` lie inside it iff their sizes add up to it.
     if sum(map(_SIZE, counts)) == len(known):
@@ -661,20 +667,8 @@ def _held_counts(partition: Partition, held: set[int]) -> list[int]:
     """
     holders = partition.holders
     per_mask: dict[int, list] = {}  # mask -> [hits, the refs of a group with that mask]
-    for _ in range(_WALK_STEPS):
-        if not held:
-            break
-        for block_hash in held:
-            break
-        group = holders[block_hash]
-        members = group.members
-        if members <= held:
-            held -= members
-            hits = len(members)
-        else:
-            common = members & held
-            held -= common
-            hits = len(common)
+    for group, common in _walk(holders, held):
+        hits = len(common)
         entry = per_mask.get(group.mask)
         if entry is None:
             per_mask[group.mask] = [hits, group.refs]
