@@ -50,3 +50,10 @@ class InvalidShape(ServiceError):
 
     status = 422
 
+
+
+class Unavailable(ServiceError):
+    """Something the request needs outside the process is unreachable (a replica's NATS server
+    did not acknowledge a publish in time): nothing was done; the client may retry."""
+
+    status = 503

@@ -16,11 +16,12 @@ and latency per route, and writes an access log line per request when enabled.
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from time import perf_counter
 from typing import Any, NamedTuple, Union
@@ -50,7 +51,11 @@ DEFAULT_MAX_BODY = 2 * 1024 * 1024
 
 JsonPayload = Any
 HandlerResult = tuple[int, JsonPayload]
-BodyHandler = Callable[[Any], HandlerResult]
+# A handler that must wait for something outside the process (a replica's NATS publish to be
+# acknowledged) returns a coroutine of its result instead; the answer is then written when it
+# completes, still in request order on its connection.
+LaterResult = Coroutine[Any, Any, HandlerResult]
+BodyHandler = Callable[[Any], Union[HandlerResult, LaterResult]]
 QueryHandler = Callable[["QueryParams"], HandlerResult]
 
 _JSON_HEADERS = b"application/json"
@@ -200,6 +205,8 @@ class QueryParams(Mapping[str, str]):
 
 # What an endpoint answers: status, body, and the content type (None: no content-type header).
 Answer = tuple[int, bytes, Union[bytes, None]]
+# ... or, for a handler that returned a coroutine, a future of that answer.
+LaterAnswer = asyncio.Future  # of Answer
 
 
 def failure_answer(exc: BaseException) -> Answer:
@@ -221,9 +228,11 @@ class DirectEndpoint(abc.ABC):
     max_body: int = 0
 
     @abc.abstractmethod
-    def respond(self, query_string: bytes, body: bytes) -> Answer: ...
+    def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer: ...
 
-    def answer(self, query_string: bytes, body: bytes) -> Answer:
+    def answer(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
+        """The answer, or (from a handler that waits for something) a future of it, which
+        never fails: a failure is its JSON answer too."""
         try:
             return self.respond(query_string, body)
         except Exception as exc:  # noqa: BLE001 - every failure must still be a JSON answer
@@ -240,7 +249,8 @@ class DirectEndpoint(abc.ABC):
                 status, payload, content_type = failure_answer(exc)
                 await send_bytes(send, status, payload, content_type=content_type)
                 return status
-        status, payload, content_type = self.answer(scope.get("query_string", b""), body)
+        answer = self.answer(scope.get("query_string", b""), body)
+        status, payload, content_type = answer if type(answer) is tuple else await answer
         await send_bytes(send, status, payload, content_type=content_type, head=scope["method"] == "HEAD")
         return status
 
@@ -256,9 +266,20 @@ class JsonBodyEndpoint(DirectEndpoint):
         self.read = read
         self.max_body = max_body
 
-    def respond(self, query_string: bytes, body: bytes) -> Answer:
-        status, payload = self.handler(self.read(body))
+    def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
+        result = self.handler(self.read(body))
+        if type(result) is tuple:
+            status, payload = result
+            return status, encode(payload), _JSON_HEADERS
+        return asyncio.ensure_future(_answer_later(result))  # type: ignore[arg-type]
+
+
+async def _answer_later(result: Awaitable[HandlerResult]) -> Answer:
+    try:
+        status, payload = await result
         return status, encode(payload), _JSON_HEADERS
+    except Exception as exc:  # noqa: BLE001 - every failure must still be a JSON answer
+        return failure_answer(exc)
 
 
 class JsonQueryEndpoint(DirectEndpoint):
@@ -304,15 +325,21 @@ NOT_READY_BODY = error_body("not ready: start-up has not finished, or shutdown h
 
 
 class ReadyEndpoint(DirectEndpoint):
-    """`GET /ready`: 200 once `state.ready` is true, 503 before (and from shutdown on)."""
+    """`GET /ready`: 200 once `state.ready` is true, 503 before (and from shutdown on). An app
+    may also set `state.not_ready` to a function that says why it cannot serve yet (a replica
+    catching up with its stream), or None when it can."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
 
     def respond(self, query_string: bytes, body: bytes) -> Answer:
-        if getattr(self.state, "ready", False):
-            return 200, READY_BODY, _JSON_HEADERS
-        return 503, NOT_READY_BODY, _JSON_HEADERS
+        if not getattr(self.state, "ready", False):
+            return 503, NOT_READY_BODY, _JSON_HEADERS
+        not_ready = getattr(self.state, "not_ready", None)
+        reason = not_ready() if not_ready is not None else None
+        if reason is not None:
+            return 503, error_body(reason), _JSON_HEADERS
+        return 200, READY_BODY, _JSON_HEADERS
 
 
 def post(

@@ -24,6 +24,9 @@ What a server on a shared network needs, and what this one does:
   once and is closed. Idle keep-alive connections close after `keep_alive_secs`. HTTP/1.0
   clients keep the connection when they ask (`Connection: keep-alive`).
 * **Back-pressure.** A client that does not read its answers stops being read from.
+* **Answers that wait.** An endpoint may answer with a future (a replica waiting for NATS to
+  acknowledge a publish). The connection then stops reading, queues the answers of requests
+  already parsed behind it, and writes them all in request order once it completes.
 * **Shutdown.** On SIGTERM/SIGINT the listener closes, idle connections close, requests in
   flight are answered (up to `GRACEFUL_SHUTDOWN_SECS`), then the app's lifespan shutdown runs
   (the indexer's final snapshot) and the process exits with status 0.
@@ -37,12 +40,13 @@ import asyncio
 import logging
 import signal
 import sys
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
 from time import perf_counter, time
-from typing import Final
+from typing import Final, NamedTuple, Union
 from urllib.parse import unquote
 
 import httptools
@@ -50,6 +54,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .http import (
+    Answer,
+    LaterAnswer,
     NOT_ALLOWED_BODY,
     NOT_FOUND_BODY,
     Service,
@@ -165,6 +171,19 @@ class HttpServer:
         self._sweeper.cancel()
 
 
+class _Waiting(NamedTuple):
+    """An answer still to come, with what its response head and its metrics need."""
+
+    future: LaterAnswer
+    keep_alive: bool
+    http_1_0: bool
+    method: str
+    path: str
+    started: float
+    series: RouteSeries
+    trace_id: bytes | None
+
+
 class HttpConnection(asyncio.Protocol):
     """One client connection. Per request: head (bounded in size and time), then the body
     (bounded by the route), then the endpoint's answer, written at once."""
@@ -173,7 +192,7 @@ class HttpConnection(asyncio.Protocol):
         "server", "limits", "transport", "parser", "client", "counted", "head_bytes", "reading_head",
         "head_since", "idle_since", "url", "content_type", "content_length", "expect", "trace_id",
         "keep_alive", "http_1_0", "method", "path", "query_string", "endpoint", "series", "body",
-        "body_size", "answered", "started", "paused",
+        "body_size", "answered", "started", "paused", "queue", "closing",
     )
 
     def __init__(self, server: HttpServer) -> None:
@@ -189,6 +208,10 @@ class HttpConnection(asyncio.Protocol):
         self.head_since: float | None = None
         self.idle_since: float | None = None
         self.paused = False
+        # Answers written in request order behind one that waits (None: nothing waits), and
+        # whether to close once they are written.
+        self.queue: deque[Union[bytes, _Waiting]] | None = None
+        self.closing = False
         self._reset_request()
 
     def _reset_request(self) -> None:
@@ -254,7 +277,7 @@ class HttpConnection(asyncio.Protocol):
                 logger.warning("Request head over %d bytes from %s; closing.", MAX_REQUEST_HEAD, self.client or "a client")
                 self.transport.write(_TOO_LARGE)
                 self.close()
-            elif self.head_bytes == 0:
+            elif self.head_bytes == 0 and self.queue is None:
                 self.idle_since = self.server.loop.time()
 
     def pause_writing(self) -> None:
@@ -263,7 +286,7 @@ class HttpConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused = False
-        if not self.transport.is_closing():
+        if not self.transport.is_closing() and self.queue is None:
             self.transport.resume_reading()
 
     # --- httptools callbacks --------------------------------------------------------------
@@ -332,11 +355,15 @@ class HttpConnection(asyncio.Protocol):
         if not self.answered:
             body = self.body
             payload = body[0] if len(body) == 1 else b"".join(body)
-            self._answer(*self.endpoint.answer(self.query_string, payload))  # type: ignore[union-attr]
+            answer = self.endpoint.answer(self.query_string, payload)  # type: ignore[union-attr]
+            if type(answer) is tuple:
+                self._answer(*answer)
+            else:
+                self._answer_later(answer)  # type: ignore[arg-type]
         self._reset_request()
         self.reading_head = True
         if not self.keep_alive:
-            self.close()
+            self._close_after_answers()
 
     # --- answers --------------------------------------------------------------------------
 
@@ -348,12 +375,21 @@ class HttpConnection(asyncio.Protocol):
             self.keep_alive = False
         self._answer(status, body, content_type, extra)
         if waiting_for_continue:
-            self.close()
+            self._close_after_answers()
 
     def _answer(self, status: int, body: bytes, content_type: bytes | None, extra: bytes = b"") -> None:
         self.answered = True
-        if self.keep_alive:
-            connection = _KEEP_ALIVE if self.http_1_0 else b""
+        data = self._response(status, body, content_type, extra, self.keep_alive, self.http_1_0, self.method)
+        if self.queue is not None:
+            self.queue.append(data)
+        elif not self.transport.is_closing():
+            self.transport.write(data)
+        self._record(status)
+
+    def _response(self, status: int, body: bytes, content_type: bytes | None, extra: bytes, keep_alive: bool,
+                  http_1_0: bool, method: str) -> bytes:
+        if keep_alive:
+            connection = _KEEP_ALIVE if http_1_0 else b""
         else:
             connection = _CLOSE
         head = b"%s%s%s%s%s%s\r\n" % (
@@ -364,23 +400,77 @@ class HttpConnection(asyncio.Protocol):
             connection,
             extra,
         )
-        if not self.transport.is_closing():
-            self.transport.write(head if self.method == "HEAD" else head + body)
-        self._record(status)
+        return head if method == "HEAD" else head + body
 
     def _record(self, status: int) -> None:
-        seconds = perf_counter() - self.started
-        self.series.record(status, seconds)  # type: ignore[union-attr]
+        self._record_request(status, self.started, self.series, self.method, self.path,  # type: ignore[arg-type]
+                             self.trace_id)
+
+    def _record_request(self, status: int, started: float, series: RouteSeries, method: str, path: str,
+                        trace_id: bytes | None) -> None:
+        seconds = perf_counter() - started
+        series.record(status, seconds)
         access_log = self.server.access_log
         if access_log is not None:
-            access_log(self.client, self.method, self.path, status, seconds, self.trace_id)
+            access_log(self.client, method, path, status, seconds, trace_id)
+
+    # --- answers that wait ------------------------------------------------------------------
+
+    def _answer_later(self, future: LaterAnswer) -> None:
+        """Queue this request's answer until `future` completes; stop reading meanwhile, so a
+        pipelining client cannot pile up requests behind it."""
+        self.answered = True
+        if self.queue is None:
+            self.queue = deque()
+            self.idle_since = None
+            self.transport.pause_reading()
+        self.queue.append(_Waiting(future, self.keep_alive, self.http_1_0, self.method, self.path, self.started,
+                                   self.series, self.trace_id))  # type: ignore[arg-type]
+        future.add_done_callback(self._write_ready)
+
+    def _write_ready(self, _: object = None) -> None:
+        """Write the queued answers up to the first one still waiting, in request order."""
+        queue = self.queue
+        if queue is None:
+            return
+        closed = self.transport.is_closing()
+        while queue:
+            entry = queue[0]
+            if type(entry) is bytes:
+                data = entry
+            else:
+                if not entry.future.done():
+                    return
+                answer: Answer = entry.future.result()
+                status, body, content_type = answer
+                data = self._response(status, body, content_type, b"", entry.keep_alive, entry.http_1_0,
+                                      entry.method)
+                self._record_request(status if not closed else DISCONNECTED, entry.started, entry.series,
+                                     entry.method, entry.path, entry.trace_id)
+            queue.popleft()
+            if not closed:
+                self.transport.write(data)
+        self.queue = None
+        if self.closing:
+            self.close()
+        elif not closed:
+            if self.reading_head and self.head_bytes == 0:
+                self.idle_since = self.server.loop.time()
+            if not self.paused:
+                self.transport.resume_reading()
+
+    def _close_after_answers(self) -> None:
+        if self.queue is None:
+            self.close()
+        else:
+            self.closing = True
 
     # --- shutdown, timeouts, closing ---------------------------------------------------------
 
     def close_when_idle(self) -> None:
         """Shutdown: close now unless a request is under way, which closes after its answer."""
         if self.reading_head and self.head_bytes == 0:
-            self.close()
+            self._close_after_answers()
         else:
             self.keep_alive = False
 
@@ -392,7 +482,7 @@ class HttpConnection(asyncio.Protocol):
         self.head_since = None
         if not self.reading_head or self.transport.is_closing():
             return
-        if self.paused:
+        if self.paused or self.queue is not None:
             self.head_since = self.server.loop.time()  # still writing the previous answer: wait for it
             return
         self.limits.head_timeouts += 1

@@ -1,0 +1,138 @@
+"""Answers that wait (a handler returning a coroutine, as a NATS replica's writes do) on the
+native server: written in request order behind pipelined requests, failures still JSON, the
+connection closed after them when asked, and the same answers through the ASGI entry point."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+from starlette.testclient import TestClient
+
+from dynamo_lite import http
+from dynamo_lite.errors import Conflict
+from dynamo_lite.server import ConnectionLimits, HttpServer
+
+from test_server import Connection, get, post
+
+
+def make_app() -> http.Service:
+    async def slow(seconds: float, answer: Any) -> http.HandlerResult:
+        await asyncio.sleep(seconds)
+        return 200, answer
+
+    def wait(body: Any) -> Any:
+        if body.get("fail") == "conflict":
+            async def conflict() -> http.HandlerResult:
+                await asyncio.sleep(0.01)
+                raise Conflict("taken")
+            return conflict()
+        if body.get("fail") == "crash":
+            async def crash() -> http.HandlerResult:
+                raise RuntimeError("boom")
+            return crash()
+        return slow(body["seconds"], {"echo": body["echo"]})
+
+    def now(body: Any) -> http.HandlerResult:
+        return 200, {"echo": body["echo"]}
+
+    return http.Service(routes=[http.post("/wait", wait), http.post("/now", now), http.health_route()])
+
+
+class ServerThread:
+    """The native server on its own event loop in a thread (no signal handling needed)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def start() -> None:
+            self.server = HttpServer(make_app(), ConnectionLimits())
+            self.listener = await self.loop.create_server(self.server, "127.0.0.1", 0)
+            self.url = f"http://127.0.0.1:{self.listener.sockets[0].getsockname()[1]}"
+            self.ready.set()
+
+        self.loop.run_until_complete(start())
+        self.loop.run_forever()
+
+    def shut_down(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.shut_down(grace_secs=5), self.loop).result(10)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def server() -> Iterator[ServerThread]:
+    running = ServerThread()
+    yield running
+    running.stop()
+
+
+def body(**fields: Any) -> bytes:
+    return orjson.dumps(fields)
+
+
+def test_pipelined_answers_keep_request_order_behind_a_waiting_one(server: ServerThread) -> None:
+    connection = Connection(server.url)
+    connection.send(post("/wait", body(seconds=0.2, echo=1)) + post("/now", body(echo=2))
+                    + post("/wait", body(seconds=0.05, echo=3)) + get("/health"))
+    answers = [connection.answer() for _ in range(4)]
+    assert [status for status, _, _ in answers] == [200, 200, 200, 200]
+    assert [orjson.loads(b)["echo"] for _, _, b in answers[:3]] == [1, 2, 3]
+    # The connection goes on serving after the queue has drained.
+    connection.send(post("/now", body(echo=4)))
+    assert orjson.loads(connection.answer()[2]) == {"echo": 4}
+
+
+def test_a_failing_waiting_handler_is_a_json_error(server: ServerThread) -> None:
+    connection = Connection(server.url)
+    connection.send(post("/wait", body(fail="conflict")) + post("/wait", body(fail="crash")))
+    status, headers, payload = connection.answer()
+    assert (status, orjson.loads(payload)) == (409, {"error": "taken"})
+    assert headers[b"content-type"] == b"application/json"
+    status, _, payload = connection.answer()
+    assert status == 500 and "internal error" in orjson.loads(payload)["error"]
+
+
+def test_http_1_0_closes_after_the_waiting_answer(server: ServerThread) -> None:
+    connection = Connection(server.url)
+    data = body(seconds=0.1, echo=5)
+    connection.send(b"POST /wait HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(data), data))
+    status, headers, payload = connection.answer()
+    assert (status, orjson.loads(payload)) == (200, {"echo": 5})
+    assert headers.get(b"connection") == b"close"
+    assert connection.closed()
+
+
+def test_shutdown_writes_the_waiting_answer_then_closes(server: ServerThread) -> None:
+    connection = Connection(server.url)
+    connection.send(post("/wait", body(seconds=0.5, echo=6)))
+    shutdown = threading.Timer(0.1, server.shut_down)
+    shutdown.start()
+    status, _, payload = connection.answer()
+    assert (status, orjson.loads(payload)) == (200, {"echo": 6})
+    assert connection.closed()
+    shutdown.join(10)
+    assert not server.server.connections
+
+
+def test_the_asgi_entry_point_awaits_the_same_answers() -> None:
+    with TestClient(make_app()) as client:
+        response = client.post("/wait", content=body(seconds=0.01, echo=7),
+                               headers={"content-type": "application/json"})
+        assert (response.status_code, response.json()) == (200, {"echo": 7})
+        response = client.post("/wait", content=body(fail="conflict"), headers={"content-type": "application/json"})
+        assert (response.status_code, response.json()) == (409, {"error": "taken"})
