@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+pytest_plugins = ["nats_support"]  # the `nats_server` fixture
+
 settings.register_profile("default", deadline=None)
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("long", deadline=None, max_examples=10_000, suppress_health_check=list(HealthCheck))

@@ -1,0 +1,113 @@
+"""One NATS connection per process (`--nats URL` of both services): flags, connecting, metrics.
+
+With `--nats` the services replicate through a NATS server: the indexer through a JetStream
+stream and an object store (`dynamo_lite.indexer.replication`), the slot tracker over NATS core
+subjects (`dynamo_lite.slot_tracker.replication`). Without it nothing here is imported by the
+serving path and the services behave as single processes.
+
+The connection reconnects forever (every `RECONNECT_WAIT_SECS`): a NATS server restart or a
+network blip must not stop a replica, only delay its replication. While disconnected, nats-py
+keeps what is published in a buffer of `PENDING_BYTES` and sends it after reconnecting;
+`/metrics` shows whether the connection is up and how often it dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger("dynamo_lite.nats")
+
+CONNECT_TIMEOUT_SECS = 5.0
+RECONNECT_WAIT_SECS = 0.5
+# What a replica may publish while the server is unreachable (nats-py's default is 2 MiB).
+PENDING_BYTES = 64 * 1024 * 1024
+
+
+def add_nats_arguments(parser: argparse.ArgumentParser, *, subject_prefix: str, what: str) -> argparse._ArgumentGroup:
+    """`--nats` and `--nats-subject-prefix`; the group, for a service's own NATS flags."""
+    group = parser.add_argument_group(
+        "replicas (NATS)",
+        f"run several replicas that share {what} through a NATS server (2.9 or later, with "
+        "JetStream for the indexer); without --nats the process keeps its state to itself",
+    )
+    group.add_argument("--nats", default=None, metavar="URL",
+                       help="NATS server URL, e.g. nats://127.0.0.1:4222 (several: comma-separated)")
+    group.add_argument("--nats-subject-prefix", default=subject_prefix,
+                       help="prefix of every subject the replicas use; replicas sharing state use the same one, "
+                       "and different fleets on one NATS server use different ones")
+    return group
+
+
+def server_urls(text: str) -> list[str]:
+    return [url.strip() for url in text.split(",") if url.strip()]
+
+
+@dataclass
+class ConnectionCounts:
+    disconnects: int = 0
+    reconnects: int = 0
+    errors: int = 0
+
+
+async def connect(url: str, *, name: str) -> tuple[Client, ConnectionCounts]:
+    """Connect to `url` (retried until `CONNECT_TIMEOUT_SECS` have passed at start-up, then
+    reconnected forever). Raises the last connection error when the first connect fails."""
+    counts = ConnectionCounts()
+
+    async def disconnected() -> None:
+        if client.is_closed or client.is_draining:
+            return  # our own shutdown
+        counts.disconnects += 1
+        logger.warning("disconnected from NATS; reconnecting every %.1fs", RECONNECT_WAIT_SECS)
+
+    async def reconnected() -> None:
+        counts.reconnects += 1
+        logger.info("reconnected to NATS at %s", client.connected_url.netloc if client.connected_url else url)
+
+    async def error(exc: Exception) -> None:
+        counts.errors += 1
+        logger.warning("NATS: %s: %s", type(exc).__name__, exc)
+
+    client = await nats.connect(
+        server_urls(url),
+        name=name,
+        connect_timeout=CONNECT_TIMEOUT_SECS,
+        reconnect_time_wait=RECONNECT_WAIT_SECS,
+        max_reconnect_attempts=-1,
+        allow_reconnect=True,
+        pending_size=PENDING_BYTES,
+        disconnected_cb=disconnected,
+        reconnected_cb=reconnected,
+        error_cb=error,
+    )
+    logger.info("connected to NATS at %s as %s", client.connected_url.netloc if client.connected_url else url, name)
+    return client, counts
+
+
+class NatsCollector(Collector):
+    """`dynamo_lite_nats_*`: the connection's state and how often it dropped."""
+
+    def __init__(self, client: Client | None, counts: ConnectionCounts) -> None:
+        self.client = client
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        connected = GaugeMetricFamily("dynamo_lite_nats_connected", "1 while connected to the NATS server")
+        connected.add_metric([], 1.0 if self.client is not None and self.client.is_connected else 0.0)
+        yield connected
+        for name, value, text in (
+            ("disconnects", self.counts.disconnects, "connections to the NATS server lost"),
+            ("reconnects", self.counts.reconnects, "connections to the NATS server restored"),
+            ("errors", self.counts.errors, "errors the NATS client reported"),
+        ):
+            counter = CounterMetricFamily(f"dynamo_lite_nats_{name}", text)
+            counter.add_metric([], float(value))
+            yield counter
