@@ -18,7 +18,18 @@ from dynamo_lite.cli import (
     service_parser,
 )
 
+from dynamo_lite.nats_connection import add_nats_arguments
+
 from .app import DEFAULT_APPROX_MAX_BLOCKS, DEFAULT_APPROX_TTL_SECS, IndexerConfig, create_app
+from .jetstream import (
+    DEFAULT_READY_MAX_LAG,
+    DEFAULT_RETENTION_SECS,
+    DEFAULT_SNAPSHOT_INTERVAL_SECS,
+    DEFAULT_SNAPSHOT_THRESHOLD,
+    DEFAULT_STREAM,
+    DEFAULT_SUBJECT_PREFIX,
+    StreamSettings,
+)
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Subscription, validate_endpoint
 
 DEFAULT_PORT = 8090
@@ -65,6 +76,53 @@ def parse_workers(text: str, *, model_name: str, tenant_id: str, block_size: int
         )
     return subscriptions
 
+
+
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    group = add_nats_arguments(parser, subject_prefix=DEFAULT_SUBJECT_PREFIX, what="one index")
+    group.add_argument("--nats-stream", default=DEFAULT_STREAM,
+                       help="JetStream stream of the replicas' writes (created when missing); its snapshots go to "
+                       "the object store bucket <stream>_snapshots")
+    group.add_argument("--nats-retention-secs", type=positive_float, default=DEFAULT_RETENTION_SECS,
+                       help="how long the stream keeps a message; a replica starting loads the newest snapshot and "
+                       "needs the messages after it")
+    group.add_argument("--nats-snapshot-interval-secs", type=positive_float, default=DEFAULT_SNAPSHOT_INTERVAL_SECS,
+                       help="a replica renews the snapshot in the object store when it is this old and the index "
+                       "changed since (at most half of --nats-retention-secs)")
+    group.add_argument("--nats-snapshot-threshold", type=_positive_int, default=DEFAULT_SNAPSHOT_THRESHOLD,
+                       help="... or when this many stream messages were applied since the snapshot")
+    group.add_argument("--nats-ready-max-lag", type=non_negative_int, default=DEFAULT_READY_MAX_LAG,
+                       help="/ready answers 503 while the replica is more than this many stream messages behind")
+    group.add_argument("--nats-replica-name", default=None,
+                       help="name of this replica's durable consumer; unique per replica (default: host name, "
+                       "process id and a random part)")
+    group.add_argument("--reset-state", action="store_true",
+                       help="purge the stream and delete the snapshot before starting. Only for the first replica: "
+                       "replicas already running keep their index and disagree with the new ones")
+
+
+def stream_settings(args: argparse.Namespace) -> StreamSettings | None:
+    """The replica settings of `--nats`, or None; ValueError for flags that do not go together."""
+    if args.nats is None:
+        if args.reset_state:
+            raise ValueError("--reset-state needs --nats")
+        return None
+    if args.snapshot or args.peers:
+        raise ValueError("--nats keeps the index in the stream and its object store: "
+                         "leave out --snapshot and --peers")
+    settings = StreamSettings(
+        url=args.nats,
+        subject_prefix=args.nats_subject_prefix,
+        stream=args.nats_stream,
+        retention_secs=args.nats_retention_secs,
+        snapshot_interval_secs=args.nats_snapshot_interval_secs,
+        snapshot_threshold=args.nats_snapshot_threshold,
+        ready_max_lag=args.nats_ready_max_lag,
+        replica_name=args.nats_replica_name,
+        reset_state=args.reset_state,
+    )
+    settings.check()
+    return settings
 
 
 def _positive_int(text: str) -> int:
@@ -135,10 +193,12 @@ def main(argv: list[str] | None = None) -> None:
         help="how long a listener waits for an engine to finish answering a replay request before it "
         "counts the missing batches as lost",
     )
+    add_replica_arguments(parser)
     args = parse_args(parser, argv)
     try:
         workers = parse_workers(args.workers, model_name=args.model_name, tenant_id=args.tenant_id,
                                 block_size=args.block_size)
+        nats = stream_settings(args)
     except ValueError as error:
         parser.error(str(error))
     configure_logging(args.log_level, args.log_format)
@@ -158,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         workers=tuple(workers),
         replay_timeout_secs=args.replay_timeout_secs,
         full_gc_interval_secs=args.full_gc_interval_secs,
+        nats=nats,
     ))
     serve(app, args, gc_thresholds=YOUNG_ONLY_GC_THRESHOLDS)
 

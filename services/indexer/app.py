@@ -3,6 +3,10 @@
 The query routes answer exactly as Dynamo 1.6.1's indexer does; `/events` takes the very
 document `/dump` produces, so two indexers (ours or Dynamo's) can recover from each other.
 `/routed` records a routing decision for ranks whose engines publish no KV events.
+
+With replicas (`--nats`, `ReplicatedRoutes`) the write routes publish to the stream instead of
+applying: `/events` and `/routed` answer 202 once JetStream stored the write, `/register` and
+`/unregister` once this replica applied it (their answer depends on the index).
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from typing import Any, Optional, Union
 from msgspec import UNSET, UnsetType
 
 from dynamo_lite import http, validation
-from dynamo_lite.errors import InvalidArgument, InvalidShape
+from dynamo_lite.errors import InvalidArgument, InvalidShape, ServiceError
 from dynamo_lite.http import HandlerResult, QueryParams
 from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
 
 from .approx import DEFAULT_MAX_BLOCKS as DEFAULT_APPROX_MAX_BLOCKS
 from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
 
+from . import replication
+from .jetstream import ReplicaCollector, StreamReplica, StreamSettings
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
 from .metrics import IndexerCollector, ListenerCollector
 from .peers import PeerList, recover
@@ -143,7 +149,10 @@ class IndexerRoutes:
         self.peers = peers
         self.listeners = listeners
 
-    def register(self, body: Any) -> HandlerResult:
+    def register(self, body: Any) -> Any:
+        return self.subscribe(self._registration(body), 201)
+
+    def _registration(self, body: Any) -> Subscription:
         body = expect_object(body, "RegisterRequest")
         instance_id = validation.u64(body, "instance_id")
         model_name = validation.string(body, "model_name")
@@ -159,12 +168,9 @@ class IndexerRoutes:
             if endpoint is None:
                 raise InvalidArgument("replay_endpoint needs an endpoint to subscribe to")
             validate_endpoint(replay_endpoint, "replay endpoint")
-        self.subscribe(
-            Subscription(model_name, tenant_id, block_size, instance_id, dp_rank, endpoint or "", replay_endpoint)
-        )
-        return 201, OK
+        return Subscription(model_name, tenant_id, block_size, instance_id, dp_rank, endpoint or "", replay_endpoint)
 
-    def subscribe(self, subscription: Subscription) -> None:
+    def subscribe(self, subscription: Subscription, status: int = 201) -> Any:
         """Register the rank; with an endpoint, start listening to its engine."""
         sub = subscription
         self.indexer.register(
@@ -176,16 +182,10 @@ class IndexerRoutes:
             logger.info("worker %d dp_rank %d of model=%s tenant_id=%s: subscribing to %s%s", sub.worker_id,
                         sub.dp_rank, sub.model_name, sub.tenant_id, sub.endpoint,
                         f" (replay: {sub.replay_endpoint})" if sub.replay_endpoint else "")
+        return status, OK
 
-    def unregister(self, body: Any) -> HandlerResult:
-        body = expect_object(body, "UnregisterRequest")
-        dp_rank = None if body.get("dp_rank") is None else validation.u32(body, "dp_rank")
-        dropped = self.indexer.unregister(
-            validation.u64(body, "instance_id"),
-            validation.string(body, "model_name"),
-            validation.tenant(body),
-            dp_rank,
-        )
+    def unregister(self, body: Any) -> Any:
+        dropped = self.indexer.unregister(*_unregistration(body))
         self.listeners.stop(dropped)
         return 200, OK
 
@@ -202,7 +202,7 @@ class IndexerRoutes:
                         rank.listener = listener.info()
         return 200, workers
 
-    def events(self, document: list[PartitionEvents]) -> HandlerResult:
+    def events(self, document: list[PartitionEvents]) -> Any:
         return 200, self.indexer.apply_events(document)
 
     def query_by_hash(self, request: QueryByHashRequest) -> HandlerResult:
@@ -215,7 +215,7 @@ class IndexerRoutes:
             lora_name=request.lora_name, cache_salt=request.cache_salt,
         )
 
-    def routed(self, request: RoutedRequest) -> HandlerResult:
+    def routed(self, request: RoutedRequest) -> Any:
         tenant_id = tenant_of(request.tenant_id, request.routing_group)
         if isinstance(request.block_hashes, list):
             return 200, self.indexer.record_routed(
@@ -240,6 +240,63 @@ class IndexerRoutes:
     def deregister_peer(self, body: Any) -> HandlerResult:
         self.peers.remove(_peer_url(body))
         return 200, OK
+
+
+class ReplicatedRoutes(IndexerRoutes):
+    """The write routes of a replica (`--nats`): validated here against this replica's index,
+    then published to the stream, which every replica applies (this one too)."""
+
+    def __init__(self, indexer: Indexer, peers: PeerList, listeners: Listeners, replica: StreamReplica) -> None:
+        super().__init__(indexer, peers, listeners)
+        self.replica = replica
+
+    def subscribe(self, subscription: Subscription, status: int = 201) -> Any:
+        sub = subscription
+        operation = replication.Register(sub.model_name, sub.tenant_id, sub.block_size, sub.worker_id, sub.dp_rank,
+                                         sub.endpoint or None, sub.replay_endpoint)
+        return self._publish_and_apply(operation, status)
+
+    def unregister(self, body: Any) -> Any:
+        instance_id, model_name, tenant_id, dp_rank = _unregistration(body)
+        return self._publish_and_apply(replication.Unregister(model_name, tenant_id, instance_id, dp_rank), 200)
+
+    async def _publish_and_apply(self, operation: replication.Operation, status: int) -> HandlerResult:
+        applied = await self.replica.publish_and_apply(*replication.encode(operation))
+        if applied.error is not None:
+            raise applied.error
+        return status, OK
+
+    def events(self, document: tuple[bytes, list[PartitionEvents]]) -> Any:
+        body, parsed = document
+        self.indexer.check_events(parsed)
+        return self._accepted(replication.EVENTS, body)
+
+    def routed(self, request: RoutedRequest) -> Any:
+        tenant_id = tenant_of(request.tenant_id, request.routing_group)
+        self.indexer.check_routed(request.model_name, tenant_id, request.instance_id)
+        if isinstance(request.block_hashes, list):
+            hashes = request.block_hashes
+        else:
+            assert isinstance(request.token_ids, list)  # `RoutedRequest` holds exactly one of the two
+            hashes = self.indexer.hash_tokens(request.model_name, tenant_id, request.token_ids,
+                                              lora_name=request.lora_name, cache_salt=request.cache_salt)
+        operation = replication.Routed(request.model_name, tenant_id, request.instance_id, request.dp_rank, hashes)
+        return self._accepted(*replication.encode(operation))
+
+    async def _accepted(self, kind: str, data: bytes) -> HandlerResult:
+        sequence = await self.replica.publish(kind, data)
+        return 202, {"status": "accepted", "stream_sequence": sequence}
+
+
+def _read_events_for_stream(body: bytes) -> tuple[bytes, list[PartitionEvents]]:
+    """The document as posted (published as it is) and parsed (checked here first)."""
+    return body, decode_events_document(body)
+
+
+def _unregistration(body: Any) -> tuple[int, str, str, int | None]:
+    body = expect_object(body, "UnregisterRequest")
+    dp_rank = None if body.get("dp_rank") is None else validation.u32(body, "dp_rank")
+    return validation.u64(body, "instance_id"), validation.string(body, "model_name"), validation.tenant(body), dp_rank
 
 
 def _peer_url(body: Any) -> str:
@@ -298,6 +355,7 @@ class IndexerConfig:
     workers: tuple[Subscription, ...] = ()  # engines to subscribe to at start-up
     replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS
     full_gc_interval_secs: float = 0.0
+    nats: StreamSettings | None = None  # replicas: the index lives in a JetStream stream (`--nats`)
 
 
 def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None = None) -> http.Service:
@@ -313,7 +371,14 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
                           approx_max_blocks=config.approx_max_blocks)
     peer_list = PeerList(list(config.peers))
     listeners = Listeners(indexer, replay_timeout_secs=config.replay_timeout_secs)
-    routes = IndexerRoutes(indexer, peer_list, listeners)
+    replica = StreamReplica(indexer, listeners, config.nats) if config.nats is not None else None
+    if replica is not None:
+        if snapshot or config.peers:
+            raise ValueError("with NATS the index is in the stream and its object store: no --snapshot or --peers")
+        listeners.publisher = replica
+        routes: IndexerRoutes = ReplicatedRoutes(indexer, peer_list, listeners, replica)
+    else:
+        routes = IndexerRoutes(indexer, peer_list, listeners)
     snapshots = (Snapshots(indexer, snapshot, config.snapshot_interval_secs, ignore_bad=config.ignore_bad_snapshot)
                  if snapshot else None)
 
@@ -322,8 +387,13 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
         if snapshots is not None:
             snapshots.restore()
         await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
-        for subscription in workers:
-            routes.subscribe(subscription)
+        if replica is not None:
+            await replica.start()
+            app.state.not_ready = replica.not_ready
+            await _register_workers(routes, workers)
+        else:
+            for subscription in workers:
+                routes.subscribe(subscription)
         tasks = [asyncio.create_task(_log_evictions(indexer)),
                  asyncio.create_task(_expire_approximations(indexer, APPROX_SWEEP_INTERVAL_SECS))]
         if full_gc_interval_secs > 0:
@@ -337,6 +407,10 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await listeners.close()
+            logger.debug("shutdown: engine listeners closed")
+            if replica is not None:
+                await replica.stop()
+                logger.debug("shutdown: replica stopped")
             if snapshots is not None:
                 await snapshots.save_final()
 
@@ -346,7 +420,8 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             http.post("/register", routes.register),
             http.post("/unregister", routes.unregister),
             http.get("/workers", routes.workers, parameters=_FILTERS),
-            http.post("/events", routes.events, read=decode_events_document, max_body=LARGE_BODY),
+            http.post("/events", routes.events, max_body=LARGE_BODY,
+                      read=_read_events_for_stream if replica is not None else decode_events_document),
             http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest),
             http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY),
             http.post("/routed", routes.routed, request_type=RoutedRequest, max_body=LARGE_BODY),
@@ -357,9 +432,24 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             http.openapi_route(OPENAPI_PATH),
         ],
         lifespan=lifespan,
-        collectors=[IndexerCollector(indexer), ListenerCollector(listeners)],
+        collectors=[IndexerCollector(indexer), ListenerCollector(listeners)]
+        + ([ReplicaCollector(replica)] if replica is not None else []),
     )
     app.state.indexer = indexer
     app.state.peers = peer_list
     app.state.listeners = listeners
+    app.state.replica = replica
     return app
+
+
+async def _register_workers(routes: IndexerRoutes, workers: tuple[Subscription, ...]) -> None:
+    """`--workers` of a replica: published like `/register`; a rank another replica registered
+    first (they share one `--workers` list) is already what was asked."""
+    for subscription in workers:
+        try:
+            await routes.subscribe(subscription)
+        except ServiceError as error:
+            if "already registered" not in error.message:
+                raise
+            logger.info("worker %d dp_rank %d: already registered by another replica", subscription.worker_id,
+                        subscription.dp_rank)

@@ -29,6 +29,10 @@ Sequence numbers (one per batch, counting from 0 per publisher socket) decide wh
 A batch that does not decode is dropped whole and counted; it still advances the count (a
 replay would only deliver it again). Counters per listener show in `/workers`, their totals in
 `/metrics`.
+
+With replicas (`--nats`), a listener applies nothing itself: it hands each batch it decoded,
+and each restart it noticed, to a `BatchPublisher` (the replica's stream), and every replica
+applies them from there. It decides what is new, replays and counts exactly as above.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import zmq
 import zmq.asyncio
@@ -104,6 +108,15 @@ class ListenerCounts:
     restarts: int = 0  # engine restarts detected
 
 
+class BatchPublisher(Protocol):
+    """Where listeners send what they receive when the index is replicated (`--nats`)."""
+
+    async def publish_batch(self, subscription: Subscription, seq: int, payload: bytes) -> None: ...
+
+    async def publish_reset(self, subscription: Subscription, ranks: list[WorkerKey], seq: int,
+                            payload: bytes) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Subscription:
     """Where one rank's engine publishes, and the partition its events belong to."""
@@ -133,9 +146,12 @@ class EngineListener:
         turn: asyncio.Lock,
         *,
         replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS,
+        publisher: BatchPublisher | None = None,
     ) -> None:
-        """`turn` is shared by every listener of the process: held while a batch is applied."""
+        """`turn` is shared by every listener of the process: held while a batch is applied.
+        With a `publisher`, batches and restarts go to it instead of the index."""
         self.indexer = indexer
+        self.publisher = publisher
         self.turn = turn
         self.subscription = subscription
         self.context = context
@@ -275,7 +291,7 @@ class EngineListener:
             await self._join(seq)
         else:
             if self.last_seq is not None and seq <= self.last_seq:
-                self._restart(seq)
+                await self._restart(seq, frames[2])
             expected = 0 if self.last_seq is None else self.last_seq + 1
             if seq > expected:
                 await self._gap(expected, seq)
@@ -295,11 +311,16 @@ class EngineListener:
         if sub.replay_endpoint:
             await self._replay(0, seq, count_lost=False)
 
-    def _restart(self, seq: int) -> None:
+    async def _restart(self, seq: int, payload: bytes) -> None:
         sub = self.subscription
-        dropped = sum(self.indexer.reset_rank(sub.model_name, sub.tenant_id, *key) for key in self._fed)
+        if self.publisher is not None:
+            await self.publisher.publish_reset(sub, sorted(self._fed), seq, payload)
+            dropped = "dropping"
+        else:
+            dropped = "dropped %d" % sum(self.indexer.reset_rank(sub.model_name, sub.tenant_id, *key)
+                                         for key in self._fed)
         logger.warning(
-            "worker %d dp_rank %d restarted: seq %d after %s; dropped its %d device blocks, rebuilding from "
+            "worker %d dp_rank %d restarted: seq %d after %s; %s its device blocks, rebuilding from "
             "what it sends now", sub.worker_id, sub.dp_rank, seq, self.last_seq, dropped,
         )
         self.last_seq = None
@@ -325,7 +346,10 @@ class EngineListener:
         an HTTP request waits for at most half a batch's work."""
         async with self.turn:
             batch = self._decode(seq, payload)
-        if batch is not None:
+        if batch is not None and self.publisher is not None:
+            await self.publisher.publish_batch(self.subscription, seq, payload)
+            self._counted(batch, len(batch.events))
+        elif batch is not None:
             await asyncio.sleep(0)
             async with self.turn:
                 self._commit(batch)
@@ -343,13 +367,17 @@ class EngineListener:
 
     def _commit(self, batch: DecodedBatch) -> None:
         sub = self.subscription
+        report = self.indexer.apply_batch(sub.model_name, sub.tenant_id, batch.events)
+        self._count("rejected", report.rejected)
+        self._counted(batch, report.applied)
+
+    def _counted(self, batch: DecodedBatch, events: int) -> None:
+        sub = self.subscription
         if batch.dp_rank != sub.dp_rank:
             self._fed.add((sub.worker_id, batch.dp_rank))
-        report = self.indexer.apply_batch(sub.model_name, sub.tenant_id, batch.events)
         self.last_batch_at = time.time()
         self._count("batches")
-        self._count("events", report.applied)
-        self._count("rejected", report.rejected)
+        self._count("events", events)
         if batch.ignored:
             self.counts.ignored.update(batch.ignored)
             self.totals.ignored.update(batch.ignored)
@@ -418,9 +446,11 @@ class EngineListener:
 class Listeners:
     """Every listener of the process, keyed by (instance_id, dp_rank)."""
 
-    def __init__(self, indexer: Indexer, *, replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS) -> None:
+    def __init__(self, indexer: Indexer, *, replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS,
+                 publisher: BatchPublisher | None = None) -> None:
         self.indexer = indexer
         self.replay_timeout_secs = replay_timeout_secs
+        self.publisher = publisher  # with replicas: where batches go instead of the index
         self.totals = ListenerCounts()
         self._listeners: dict[WorkerKey, EngineListener] = {}
         self._context: zmq.asyncio.Context | None = None
@@ -438,7 +468,7 @@ class Listeners:
             self._turn = asyncio.Lock()
         listener = EngineListener(
             self.indexer, subscription, self._context, self.totals, self._turn,
-            replay_timeout_secs=self.replay_timeout_secs,
+            replay_timeout_secs=self.replay_timeout_secs, publisher=self.publisher,
         )
         self._listeners[subscription.key] = listener
         listener.start()

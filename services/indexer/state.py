@@ -105,6 +105,24 @@ class WorkerInfo:
 
 
 @dataclass(slots=True)
+class RankState:
+    """What a rank is, beyond the blocks it holds: what a replica's snapshot carries besides the
+    dump, so that a replica started from it registers, listens and skips re-deliveries exactly
+    as the replicas that applied the whole stream."""
+
+    model_name: str
+    tenant_id: str
+    block_size: int
+    instance_id: int
+    dp_rank: int
+    source: Source
+    registered: bool
+    endpoint: str | None
+    replay_endpoint: str | None
+    last_event_id: int | None
+
+
+@dataclass(slots=True)
 class Rejection:
     partition: str
     index: int  # position of the event in its partition's events array
@@ -291,6 +309,26 @@ class Indexer:
             self._approximated_rank(partition, key)
         self._settle(partition)
         return report
+
+    def check_routed(self, model_name: str, tenant_id: str, instance_id: int) -> None:
+        """Raise what `record_routed` would raise for this rank, changing nothing."""
+        partition = self._existing(model_name, tenant_id)
+        owner = self._owner.get(instance_id)
+        if owner is not None and owner is not partition:
+            raise Conflict(f"instance {instance_id} is already registered for {owner.describe()}")
+
+    def hash_tokens(
+        self, model_name: str, tenant_id: str, token_ids: Sequence[int], *, lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        """A prompt's local block hashes in the partition's block size, as `query_tokens` and
+        `record_routed_tokens` compute them."""
+        return self._hash_tokens(self._existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
+
+    def check_events(self, document: Sequence[PartitionEvents]) -> None:
+        """Raise what `apply_events` would raise before applying anything (a block size or
+        instance that conflicts with this index), changing nothing."""
+        self._validate(document)
 
     def record_routed_tokens(
         self,
@@ -615,6 +653,32 @@ class Indexer:
                 section.approximations = approx.dump(tree, now, wall_now)
             dumped.append(section)
         return dumped
+
+    def rank_states(self) -> list[RankState]:
+        return [
+            RankState(partition.model_name, partition.tenant_id, partition.block_size, key[0], key[1], rank.source,
+                      rank.registered, rank.endpoint, rank.replay_endpoint, rank.last_event_id)
+            for partition in self._matching(None, None)
+            for key, rank in sorted(partition.ranks.items())
+        ]
+
+    def restore_rank_states(self, states: Sequence[RankState]) -> None:
+        """Give ranks what `rank_states` said of them (after `load_dump`, which rebuilt their
+        blocks but registers nothing and moves no watermark); ranks missing are created."""
+        for state in states:
+            if state.registered:
+                self.register(state.instance_id, state.model_name, state.tenant_id, state.block_size, state.dp_rank,
+                              state.endpoint, state.replay_endpoint)
+            partition = self._partition_for(state.model_name, state.tenant_id, state.block_size)
+            self.partitions[(state.model_name, state.tenant_id)] = partition
+            key = (state.instance_id, state.dp_rank)
+            rank = partition.ranks.get(key)
+            if rank is None:
+                rank = partition.ranks[key] = Rank(state.source)
+                partition.tree.add_worker(key)
+                self._owner[state.instance_id] = partition
+            rank.source = state.source
+            rank.last_event_id = state.last_event_id
 
     # --- internals ----------------------------------------------------------------------------
 

@@ -1,0 +1,534 @@
+"""Indexer replicas on NATS JetStream (`--nats URL`): one stream of writes, one consumer per
+replica, snapshots in the object store.
+
+* Every write a replica takes (`/events`, `/register`, `/unregister`, `/routed`, and the batches
+  its ZMQ listeners receive) is published to the stream `--nats-stream` (subjects
+  `<--nats-subject-prefix>.<kind>`, see `replication`), file-backed, messages kept
+  `--nats-retention-secs`. Nothing is applied where it was taken: every replica, the one that
+  took it included, applies the stream in stream order through its own durable consumer, so
+  all replicas hold the same index.
+* Engine batches: every replica subscribed to an engine publishes each batch it receives under
+  a message id derived from the batch's bytes; JetStream drops the copies that arrive within
+  its duplicate window (`DUPLICATE_WINDOW_SECS`), so a batch is in the stream once however many
+  replicas listen, and keeps arriving while any one of them runs.
+* Snapshots: a replica puts the index, tagged with the last stream sequence applied, into the
+  object store bucket `<stream>_snapshots` when `--nats-snapshot-threshold` messages were applied
+  since the stored one, or `--nats-snapshot-interval-secs` passed and anything was. A replica
+  starting (or restarting) loads the newest snapshot, then consumes from the next sequence: so
+  it needs no message older than the snapshot, and a replica down for longer than the
+  retention comes back whole as long as snapshots are taken more often than messages expire
+  (checked at start-up).
+* Readiness: `/ready` answers 200 once the snapshot is loaded and the replica is within
+  `--nats-ready-max-lag` messages of the stream's end, and 503 whenever it falls further behind.
+
+`--reset-state` purges the stream and deletes the snapshot before the replica starts. As the
+seed documents warn for Dynamo's `--router-reset-states`: do that only when starting the first
+replica; replicas already running keep their index and diverge from the new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    ObjectMeta,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.object_store import ObjectStore
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dynamo_lite.errors import PayloadTooLarge, ServiceError, Unavailable
+from dynamo_lite.snapshots import SnapshotError
+from dynamo_lite.nats_connection import ConnectionCounts, NatsCollector, connect
+
+from . import replication
+from .listeners import Listeners, Subscription
+from .replication import Applied, Batch, Reset
+from .state import Indexer
+
+logger = logging.getLogger("dynamo_lite.indexer.jetstream")
+
+DEFAULT_SUBJECT_PREFIX: Final = "dynamo_lite.indexer"
+DEFAULT_STREAM: Final = "DYNAMO_LITE_INDEXER"
+DEFAULT_RETENTION_SECS: Final = 3600.0  # as Dynamo's KV event stream
+DEFAULT_SNAPSHOT_INTERVAL_SECS: Final = 60.0
+DEFAULT_SNAPSHOT_THRESHOLD: Final = 100_000
+DEFAULT_READY_MAX_LAG: Final = 1_000
+DEFAULT_PUBLISH_TIMEOUT_SECS: Final = 5.0
+DUPLICATE_WINDOW_SECS: Final = 120.0  # JetStream's default: longer than any replica lags behind an engine
+SNAPSHOT_OBJECT: Final = "index"
+FETCH_BATCH: Final = 512
+FETCH_TIMEOUT_SECS: Final = 1.0
+APPLY_SLICE_SECS: Final = 0.002  # applying hands the event loop back to requests this often
+RETRY_SECS: Final = 0.5
+INACTIVE_CONSUMER_SECS: Final = 3600.0  # the consumer of a replica gone for good is deleted after this
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    url: str
+    subject_prefix: str = DEFAULT_SUBJECT_PREFIX
+    stream: str = DEFAULT_STREAM
+    retention_secs: float = DEFAULT_RETENTION_SECS
+    snapshot_interval_secs: float = DEFAULT_SNAPSHOT_INTERVAL_SECS
+    snapshot_threshold: int = DEFAULT_SNAPSHOT_THRESHOLD
+    ready_max_lag: int = DEFAULT_READY_MAX_LAG
+    replica_name: str | None = None  # the durable consumer's name; default: host, pid and a random part
+    reset_state: bool = False
+    publish_timeout_secs: float = DEFAULT_PUBLISH_TIMEOUT_SECS
+
+    def check(self) -> None:
+        """Settings that cannot work together: ValueError naming them."""
+        if self.snapshot_interval_secs * 2 > self.retention_secs:
+            raise ValueError(
+                f"--nats-snapshot-interval-secs {self.snapshot_interval_secs:g} must be at most half of "
+                f"--nats-retention-secs {self.retention_secs:g}: a replica starting from the newest snapshot "
+                "needs every message after it still in the stream"
+            )
+        if not self.stream or any(c in self.stream for c in ".*> \t"):
+            raise ValueError(f"--nats-stream {self.stream!r}: a JetStream stream name has no '.', '*', '>' or spaces")
+
+
+@dataclass
+class ReplicaCounts:
+    published: int = 0  # messages this replica published (its routes and listeners)
+    duplicates: int = 0  # engine batches another replica had published first
+    applied: int = 0  # stream messages applied
+    refused: int = 0  # stream messages the index refused whole (a conflict since publication...)
+    skipped_sequences: int = 0  # stream messages gone (retention) before this replica read them
+    snapshots_written: int = 0
+    snapshot_seconds: float = 0.0  # of the last one written
+    publish_failures: int = 0
+
+
+def default_replica_name() -> str:
+    return f"indexer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}".replace(".", "-")
+
+
+class StreamReplica:
+    """One indexer replica's side of the stream: publish, consume, snapshot, say how far behind."""
+
+    def __init__(self, indexer: Indexer, listeners: Listeners, settings: StreamSettings) -> None:
+        settings.check()
+        self.indexer = indexer
+        self.listeners = listeners
+        self.settings = settings
+        self.name = settings.replica_name or default_replica_name()
+        self.prefix = settings.subject_prefix
+        self.counts = ReplicaCounts()
+        self.connection_counts = ConnectionCounts()
+        self.client: Client | None = None
+        self.applied_sequence = 0  # the last stream message applied (or covered by the snapshot loaded)
+        self.snapshot_sequence = 0  # covered by the snapshot this replica loaded or last wrote
+        self.lag: int | None = None  # messages in the stream after the last one applied; None: not known yet
+        self._js: JetStreamContext | None = None
+        self._store: ObjectStore | None = None
+        self._waiters: dict[int, asyncio.Future[Applied]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._consumer_config: ConsumerConfig | None = None
+        self._stopping = False
+
+    # --- start and stop -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, create the stream and bucket when missing, load the newest snapshot, then
+        start consuming after it. Raises when NATS is unreachable or the snapshot unusable."""
+        self.client, self.connection_counts = await connect(self.settings.url, name=self.name)
+        self._js = self.client.jetstream(timeout=self.settings.publish_timeout_secs)
+        await self._ensure_stream()
+        self._store = await self._ensure_bucket()
+        if self.settings.reset_state:
+            await self._reset()
+        await self._load_snapshot()
+        await self._subscribe()
+        self._tasks = [asyncio.create_task(self._consume(), name="jetstream-consumer"),
+                       asyncio.create_task(self._snapshot_periodically(), name="jetstream-snapshots")]
+
+    async def stop(self) -> None:
+        # The flag too: on Python 3.11 `asyncio.wait_for` inside nats-py can swallow a
+        # cancellation that coincides with a message, and the loops would go on.
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.wait(self._tasks, timeout=FETCH_TIMEOUT_SECS * 3)
+        logger.debug("shutdown: consumer and snapshot tasks stopped")
+        for waiter in self._waiters.values():
+            waiter.cancel()
+        if self.client is not None:
+            try:
+                # Not drain(): the consumer is stopped, and what this replica published was
+                # acknowledged before it answered; a pull request left on the server would keep
+                # a drain waiting for its timeout.
+                await self.client.flush(timeout=2)
+            except Exception as exc:  # noqa: BLE001 - NATS may be away: closing must still finish
+                logger.debug("flushing the NATS connection: %s", exc)
+            await self.client.close()
+
+    async def _ensure_stream(self) -> None:
+        assert self._js is not None
+        config = StreamConfig(
+            name=self.settings.stream,
+            subjects=[f"{self.prefix}.>"],
+            storage=StorageType.FILE,
+            max_age=self.settings.retention_secs,
+            duplicate_window=min(DUPLICATE_WINDOW_SECS, self.settings.retention_secs),
+            description="dynamo_lite indexer writes (KV events, registrations, routing decisions)",
+        )
+        try:
+            info = await self._js.stream_info(self.settings.stream)
+        except nats.js.errors.NotFoundError:
+            await self._js.add_stream(config)
+            logger.info("created stream %s (subjects %s.>, retention %gs)", config.name, self.prefix,
+                        self.settings.retention_secs)
+            return
+        if (info.config.max_age, info.config.subjects, info.config.duplicate_window) != (
+                config.max_age, config.subjects, config.duplicate_window):
+            await self._js.update_stream(config)
+            logger.info("updated stream %s: subjects %s.>, retention %gs", config.name, self.prefix,
+                        self.settings.retention_secs)
+
+    async def _ensure_bucket(self) -> ObjectStore:
+        assert self._js is not None
+        bucket = f"{self.settings.stream}_snapshots"
+        try:
+            return await self._js.object_store(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            from nats.js.api import ObjectStoreConfig
+
+            return await self._js.create_object_store(bucket, ObjectStoreConfig(
+                bucket=bucket, description="dynamo_lite indexer snapshots", storage=StorageType.FILE))
+
+    async def _reset(self) -> None:
+        assert self._js is not None and self._store is not None
+        logger.warning(
+            "--reset-state: purging stream %s and deleting its snapshot. Replicas still running keep their "
+            "index and no longer agree with new ones: restart them too", self.settings.stream)
+        await self._js.purge_stream(self.settings.stream)
+        try:
+            await self._store.delete(SNAPSHOT_OBJECT)
+        except nats.js.errors.ObjectNotFoundError:
+            pass
+
+    async def _load_snapshot(self) -> None:
+        assert self._store is not None and self._js is not None
+        started = time.perf_counter()
+        try:
+            result = await self._store.get(SNAPSHOT_OBJECT)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
+            first = (await self._js.stream_info(self.settings.stream)).state.first_seq
+            logger.info("no snapshot in the object store yet: consuming stream %s from its start (seq %d)",
+                        self.settings.stream, first)
+            self.applied_sequence = max(0, first - 1)
+            return
+        data = result.data or b""
+        try:
+            sequence, subscriptions = replication.load_snapshot(self.indexer, data)
+        except (ValueError, ServiceError) as exc:
+            raise SnapshotError(
+                f"the snapshot in bucket {self._store._name} is not usable ({getattr(exc, 'message', exc)}); "
+                "delete it (and let a replica write a new one) or start with --reset-state") from None
+        self.applied_sequence = self.snapshot_sequence = sequence
+        for subscription in subscriptions:
+            self._listen(subscription)
+        first = (await self._js.stream_info(self.settings.stream)).state.first_seq
+        if first > sequence + 1:
+            self.counts.skipped_sequences += first - sequence - 1
+            logger.error(
+                "snapshot covers seq %d but the stream starts at %d: messages %d..%d expired before any replica "
+                "snapshotted them (is --nats-snapshot-interval-secs well below --nats-retention-secs on every "
+                "replica?); what they changed is missing", sequence, first, sequence + 1, first - 1)
+        logger.info("loaded snapshot at stream seq %d (%d bytes) in %.2fs", sequence, len(data),
+                    time.perf_counter() - started)
+
+    async def _subscribe(self) -> None:
+        """This replica's durable consumer, from the message after what it holds. A consumer of
+        the same name left by an earlier process is replaced: the index it fed is gone."""
+        assert self._js is not None
+        try:
+            await self._js.delete_consumer(self.settings.stream, self.name)
+        except nats.js.errors.NotFoundError:
+            pass
+        self._consumer_config = ConsumerConfig(
+            durable_name=self.name,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.applied_sequence + 1,
+            ack_policy=AckPolicy.ALL,
+            ack_wait=30.0,
+            max_ack_pending=-1,
+            inactive_threshold=INACTIVE_CONSUMER_SECS,
+            description="one dynamo_lite indexer replica",
+        )
+        self._sub = await self._js.pull_subscribe(f"{self.prefix}.>", durable=self.name,
+                                                  stream=self.settings.stream, config=self._consumer_config)
+
+    # --- publishing -----------------------------------------------------------------------------
+
+    async def publish(self, kind: str, data: bytes, *, message_id: str | None = None) -> int:
+        """Publish one write; returns its stream sequence once JetStream has stored it (0 for an
+        engine batch another replica published first). Unavailable when it did not in time."""
+        assert self._js is not None and self.client is not None
+        if len(data) > self.client.max_payload:
+            raise PayloadTooLarge(
+                f"{len(data)} bytes exceed the NATS server's max_payload of {self.client.max_payload}: "
+                "raise max_payload in its configuration (8MB allows every document /events accepts), "
+                "or post smaller documents")
+        if not self.client.is_connected:
+            # nats-py would buffer it until a reconnection, after the client was told 503.
+            self.counts.publish_failures += 1
+            raise Unavailable("not connected to the NATS server (reconnecting): nothing was done, try again")
+        headers = {"Nats-Msg-Id": message_id} if message_id is not None else None
+        try:
+            ack = await self._js.publish(f"{self.prefix}.{kind}", data, headers=headers)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            self.counts.publish_failures += 1
+            raise Unavailable(
+                f"the NATS server did not acknowledge the write in time ({type(exc).__name__}): it may or may "
+                "not be applied; repeating it is safe (event ids already applied are skipped, a routing report "
+                "only refreshes, a registration answers 409)") from None
+        if ack.duplicate:
+            self.counts.duplicates += 1
+            return 0
+        self.counts.published += 1
+        return ack.seq
+
+    async def publish_and_apply(self, kind: str, data: bytes) -> Applied:
+        """Publish, then wait until this replica has applied the message (a write whose answer
+        depends on the index: a registration may conflict). A replica further behind than the
+        publish timeout answers Unavailable, though the write is in the stream and will apply."""
+        sequence = await self.publish(kind, data)
+        if sequence <= self.applied_sequence:
+            raise ServiceError("internal: published message already consumed")  # never: one consumer, in order
+        waiter = self._waiters[sequence] = asyncio.get_running_loop().create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), self.settings.publish_timeout_secs)
+        except asyncio.TimeoutError:
+            raise Unavailable(
+                f"stored in the stream (seq {sequence}) but not applied by this replica within "
+                f"{self.settings.publish_timeout_secs:g}s (it is {self.lag} messages behind): it will apply; "
+                "do not repeat the call") from None
+        finally:
+            self._waiters.pop(sequence, None)
+
+    # The ZMQ listeners' side (`listeners.BatchPublisher`): retried until stored, so a listener
+    # waits (and its engine's socket queues) while NATS is unreachable.
+
+    async def publish_batch(self, subscription: Subscription, seq: int, payload: bytes) -> None:
+        batch = Batch(subscription.model_name, subscription.tenant_id, subscription.block_size,
+                      subscription.worker_id, subscription.dp_rank, seq, payload)
+        kind, data = replication.encode(batch)
+        await self._publish_until_stored(kind, data, replication.batch_message_id(batch))
+
+    async def publish_reset(self, subscription: Subscription, ranks: list[tuple[int, int]], seq: int,
+                            payload: bytes) -> None:
+        reset = Reset(subscription.model_name, subscription.tenant_id, sorted(ranks), seq)
+        kind, data = replication.encode(reset)
+        await self._publish_until_stored(kind, data, replication.reset_message_id(reset, payload))
+
+    async def _publish_until_stored(self, kind: str, data: bytes, message_id: str) -> None:
+        warned = False
+        while True:
+            try:
+                await self.publish(kind, data, message_id=message_id)
+                if warned:
+                    logger.info("engine batches are stored in the stream again")
+                return
+            except Unavailable as exc:
+                if not warned:
+                    logger.warning("cannot store an engine batch (%s); retrying every %.1fs", exc.message, RETRY_SECS)
+                    warned = True
+                await asyncio.sleep(RETRY_SECS)
+
+    # --- consuming ----------------------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            try:
+                messages = await self._sub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_SECS)
+            except nats.errors.TimeoutError:
+                self.lag = 0  # nothing pending: caught up
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a disconnection, a consumer lost with the server's state...
+                logger.warning("fetching from stream %s: %s: %s", self.settings.stream, type(exc).__name__, exc)
+                await asyncio.sleep(RETRY_SECS)
+                await self._resubscribe_if_lost()
+                continue
+            if not messages:
+                continue
+            slice_started = loop.time()
+            for message in messages:
+                self._apply(message)
+                if loop.time() - slice_started > APPLY_SLICE_SECS:
+                    await asyncio.sleep(0)
+                    slice_started = loop.time()
+            try:
+                await messages[-1].ack()
+            except Exception as exc:  # noqa: BLE001 - an ack lost in a disconnection only means redelivery
+                logger.debug("ack failed: %s", exc)
+
+    def _apply(self, message: Msg) -> None:
+        metadata = message.metadata
+        sequence = metadata.sequence.stream
+        if sequence <= self.applied_sequence:
+            return  # redelivered (an ack lost in a reconnection)
+        if sequence != self.applied_sequence + 1:
+            missing = sequence - self.applied_sequence - 1
+            self.counts.skipped_sequences += missing
+            logger.error("stream messages %d..%d expired before this replica read them: what they changed is "
+                         "missing here", self.applied_sequence + 1, sequence - 1)
+        kind = message.subject[len(self.prefix) + 1:]
+        applied = replication.apply(self.indexer, kind, message.data)
+        self.applied_sequence = sequence
+        self.lag = metadata.num_pending
+        self.counts.applied += 1
+        if applied.error is not None:
+            self.counts.refused += 1
+            if self.counts.refused <= 10 or self.counts.refused % 1000 == 0:
+                logger.warning("stream seq %d (%s) refused: %s", sequence, kind, applied.error.message)
+        for subscription in applied.subscribe:
+            self._listen(subscription)
+        if applied.unsubscribe:
+            self.listeners.stop(applied.unsubscribe)
+        waiter = self._waiters.get(sequence)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(applied)
+
+    def _listen(self, subscription: Subscription) -> None:
+        if self.listeners.get(subscription.key) is None:
+            self.listeners.start(subscription)
+            logger.info("worker %d dp_rank %d: subscribing to %s", subscription.worker_id, subscription.dp_rank,
+                        subscription.endpoint)
+
+    async def _resubscribe_if_lost(self) -> None:
+        """After a NATS server restart without its store (or a consumer deleted by hand), carry on
+        from where this replica is."""
+        assert self._js is not None
+        try:
+            await self._js.consumer_info(self.settings.stream, self.name)
+        except nats.js.errors.NotFoundError:
+            logger.warning("consumer %s is gone from the server: creating it again from seq %d", self.name,
+                           self.applied_sequence + 1)
+            try:
+                await self._subscribe()
+            except Exception as exc:  # noqa: BLE001 - retried at the next failure
+                logger.warning("recreating the consumer: %s", exc)
+        except Exception:  # noqa: BLE001 - still disconnected: the fetch loop retries
+            pass
+
+    # --- readiness and snapshots --------------------------------------------------------------
+
+    def not_ready(self) -> str | None:
+        """Why `/ready` is 503, or None when the replica is within the lag bound."""
+        if self.lag is None:
+            return "not ready: catching up with the stream"
+        if self.lag > self.settings.ready_max_lag:
+            return f"not ready: {self.lag} stream messages behind (--nats-ready-max-lag {self.settings.ready_max_lag})"
+        return None
+
+    async def _snapshot_periodically(self) -> None:
+        """Look every few seconds (jittered, so replicas rarely write at once) whether the stored
+        snapshot is due for renewal, and write it when so."""
+        check_every = min(5.0, self.settings.snapshot_interval_secs / 2)
+        while not self._stopping:
+            await asyncio.sleep(check_every * random.uniform(0.5, 1.5))
+            try:
+                if await self._snapshot_due():
+                    await self.write_snapshot()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - NATS may be away: try again later
+                logger.warning("snapshot not written: %s: %s", type(exc).__name__, exc)
+
+    async def _snapshot_due(self) -> bool:
+        assert self._store is not None
+        try:
+            info = await self._store.get_info(SNAPSHOT_OBJECT)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
+            return self.applied_sequence > 0
+        stored_sequence, stored_at = _parse_description(info.description)
+        ahead = self.applied_sequence - stored_sequence
+        if ahead <= 0:
+            return False
+        return ahead >= self.settings.snapshot_threshold or time.time() - stored_at >= self.settings.snapshot_interval_secs
+
+    async def write_snapshot(self) -> int:
+        """Put the index as of now into the object store; returns the sequence it covers."""
+        assert self._store is not None
+        started = time.perf_counter()
+        snapshot = replication.collect(self.indexer, self.applied_sequence)
+        data = await asyncio.to_thread(lambda: b"".join(replication.encode_snapshot(snapshot)))
+        await self._store.put(SNAPSHOT_OBJECT, data, meta=ObjectMeta(
+            name=SNAPSHOT_OBJECT, description=f"sequence={snapshot.sequence} time={time.time():.3f} by={self.name}"))
+        self.snapshot_sequence = snapshot.sequence
+        self.counts.snapshots_written += 1
+        self.counts.snapshot_seconds = time.perf_counter() - started
+        logger.info("wrote snapshot at stream seq %d: %d bytes, %s, %.2fs", snapshot.sequence, len(data),
+                    replication.describe(snapshot.ranks), self.counts.snapshot_seconds)
+        return snapshot.sequence
+
+
+def _parse_description(description: str | None) -> tuple[int, float]:
+    fields = dict(part.partition("=")[::2] for part in (description or "").split())
+    try:
+        return int(fields.get("sequence", 0)), float(fields.get("time", 0.0))
+    except ValueError:
+        return 0, 0.0
+
+
+_COUNTER_HELP: Final = {
+    "published": "writes this replica published to the stream (its routes and its ZMQ listeners)",
+    "duplicates": "engine batches this replica published that another replica had published first",
+    "applied": "stream messages this replica applied",
+    "refused": "stream messages the index refused whole (e.g. a registration that conflicts)",
+    "skipped_sequences": "stream messages that expired before this replica read them",
+    "snapshots_written": "snapshots this replica put into the object store",
+    "publish_failures": "writes the NATS server did not store in time (answered 503, or retried for engines)",
+}
+
+
+class ReplicaCollector(Collector):
+    """`dynamo_lite_indexer_replica_*`: how far behind this replica is and what it published;
+    `dynamo_lite_nats_*`: its connection."""
+
+    def __init__(self, replica: StreamReplica) -> None:
+        self.replica = replica
+
+    def collect(self) -> Iterator[Metric]:
+        replica = self.replica
+        for name, text in _COUNTER_HELP.items():
+            yield CounterMetricFamily(f"dynamo_lite_indexer_replica_{name}", text, getattr(replica.counts, name))
+        yield GaugeMetricFamily("dynamo_lite_indexer_replica_applied_sequence",
+                                "the last stream sequence this replica applied", replica.applied_sequence)
+        yield GaugeMetricFamily("dynamo_lite_indexer_replica_lag",
+                                "stream messages after the last one applied (-1: not known yet)",
+                                -1 if replica.lag is None else replica.lag)
+        yield GaugeMetricFamily("dynamo_lite_indexer_replica_snapshot_sequence",
+                                "the stream sequence of the snapshot this replica loaded or last wrote",
+                                replica.snapshot_sequence)
+        yield GaugeMetricFamily("dynamo_lite_indexer_replica_snapshot_seconds",
+                                "time the last snapshot this replica wrote took", replica.counts.snapshot_seconds)
+        yield from NatsCollector(replica.client, replica.connection_counts).collect()
+
+
+__all__ = ["ReplicaCollector", "StreamReplica", "StreamSettings"]
