@@ -405,3 +405,43 @@ def test_reset_state_purges_the_stream_and_the_snapshot(tmp_path: Path) -> None:
         # Sequences go on after a purge: nothing before it is applied, by C or by a later replica.
         assert metric(fresh, "dynamo_lite_indexer_replica_applied_total") == 0
         assert worker_view(fleet_.start("D")) == []
+
+
+def test_replica_answers_are_the_documented_ones(tmp_path: Path) -> None:
+    """202 with the stream sequence while NATS is there, 503 JSON errors while it is away (for
+    every write route), each listed in openapi/indexer.yaml with the schema the body matches."""
+    import jsonschema_rs  # schemathesis' validator
+    import yaml
+
+    document = yaml.safe_load((Path(__file__).resolve().parents[1] / "openapi" / "indexer.yaml").read_text())
+
+    def check(path: str, response: httpx.Response) -> None:
+        declared = document["paths"][path]["post"]["responses"][str(response.status_code)]
+        if "$ref" in declared:
+            declared = document["components"]["responses"][declared["$ref"].rsplit("/", 1)[1]]
+        schema = declared["content"]["application/json"]["schema"]
+        jsonschema_rs.validate({**schema, "components": document["components"]}, response.json())
+
+    events = {"m:default": {"block_size": 4, "events": [{"worker_id": 1, "event": {"event_id": 0, "data": {
+        "stored": {"parent_hash": None, "blocks": [{"block_hash": 1, "tokens_hash": 11}]}}}}]}}
+    writes = [("/register", {"instance_id": 1, "model_name": "m", "block_size": 4}, 201),
+              ("/events", events, 202),
+              ("/routed", {"model_name": "m", "instance_id": 2, "block_hashes": [11]}, 202),
+              ("/unregister", {"instance_id": 2, "model_name": "m"}, 200)]
+    with fleet(tmp_path) as (fleet_, _single):
+        replica = fleet_.start("A")
+        for path, body, status in writes:
+            response = replica.client.post(path, json=body)
+            assert response.status_code == status, (path, response.text)
+            check(path, response)
+        fleet_.nats.stop()
+        wait_until(lambda: metric(replica, "dynamo_lite_nats_connected"), lambda up: up == 0, "disconnected")
+        assert replica.client.get("/health").status_code == 200
+        for path, body, _status in writes:
+            response = replica.client.post(path, json=body)
+            assert response.status_code == 503, (path, response.text)
+            assert "not connected to the NATS server" in response.json()["error"]
+            check(path, response)
+        # Queries still answer from the index the replica has.
+        answer = replica.client.post("/query_by_hash", json={"model_name": "m", "block_hashes": [11]}).json()
+        assert answer["scores"] == {"1": {"0": 4}}
