@@ -445,3 +445,18 @@ def test_replica_answers_are_the_documented_ones(tmp_path: Path) -> None:
         # Queries still answer from the index the replica has.
         answer = replica.client.post("/query_by_hash", json={"model_name": "m", "block_hashes": [11]}).json()
         assert answer["scores"] == {"1": {"0": 4}}
+
+
+def test_replicas_started_with_the_same_workers_register_them_once(tmp_path: Path) -> None:
+    context = zmq.Context()
+    with fleet(tmp_path) as (fleet_, _single), EnginePublisher(WireFormat.SGLANG, context=context) as engine:
+        flags = ("--workers", f"5={engine.endpoint}", "--block-size", "4", "--model-name", "m")
+        replicas = [fleet_.start(name, *flags) for name in "AB"]
+        engine.wait_for_subscribers(2)
+        engine.publish([Stored(block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(8)), block_size=4)])
+        for replica in replicas:
+            view = wait_until(lambda r=replica: worker_view(r), lambda v: v and v[0]["ranks"][0]["blocks"] == 2,
+                              f"{replica.name} holds the engine's 2 blocks")
+            assert [(w["instance_id"], w["ranks"][0]["registered"], w["ranks"][0]["endpoint"]) for w in view] == [
+                (5, True, engine.endpoint)]
+    context.term()

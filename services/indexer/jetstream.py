@@ -404,8 +404,10 @@ class StreamReplica:
         self.counts.applied += 1
         if applied.error is not None:
             self.counts.refused += 1
+            # A refused registration was answered to its client already (it waited for it).
+            level = logging.INFO if kind in (replication.REGISTER, replication.UNREGISTER) else logging.WARNING
             if self.counts.refused <= 10 or self.counts.refused % 1000 == 0:
-                logger.warning("stream seq %d (%s) refused: %s", sequence, kind, applied.error.message)
+                logger.log(level, "stream seq %d (%s) refused: %s", sequence, kind, applied.error.message)
         for subscription in applied.subscribe:
             self._listen(subscription)
         if applied.unsubscribe:
