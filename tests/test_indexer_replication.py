@@ -80,6 +80,22 @@ def test_a_refused_message_changes_nothing_and_names_the_reason() -> None:
         assert state_of(indexer) == before, kind
 
 
+def test_a_late_copy_of_an_engine_batch_is_skipped_until_a_reset() -> None:
+    """A replica stalled past JetStream's duplicate window publishes batches the stream already
+    has: at or below the rank's watermark they change nothing; after a reset they are new."""
+    indexer = Indexer()
+    replication.apply(indexer, *replication.encode(Register(MODEL, "default", BLOCK, 7, 0)))
+    assert replication.apply(indexer, *replication.encode(vllm_batch(7, 0, [1, 2]))).report.applied == 1
+    replication.apply(indexer, *replication.encode(vllm_batch(7, 1, [3])))
+    before = state_of(indexer)
+    late = replication.apply(indexer, *replication.encode(vllm_batch(7, 0, [9])))
+    assert (late.error, late.report.applied, late.report.skipped) == (None, 0, 1)
+    assert state_of(indexer) == before
+    replication.apply(indexer, *replication.encode(Reset(MODEL, "default", [(7, 0)], 0)))
+    assert replication.apply(indexer, *replication.encode(vllm_batch(7, 0, [9]))).report.applied == 1
+    assert [r.blocks for r in indexer.workers()[0].ranks] == [1]
+
+
 def test_message_ids_name_one_engine_batch_whoever_publishes_it() -> None:
     batch = vllm_batch(7, 3, [1, 2])
     assert replication.batch_message_id(batch) == replication.batch_message_id(vllm_batch(7, 3, [1, 2]))

@@ -35,6 +35,7 @@ import random
 import socket
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
@@ -80,7 +81,8 @@ FETCH_BATCH: Final = 512
 FETCH_TIMEOUT_SECS: Final = 1.0
 APPLY_SLICE_SECS: Final = 0.002  # applying hands the event loop back to requests this often
 RETRY_SECS: Final = 0.5
-INACTIVE_CONSUMER_SECS: Final = 3600.0  # the consumer of a replica gone for good is deleted after this
+INACTIVE_CONSUMER_SECS: Final = 3600.0
+KEPT_OUTCOMES: Final = 4096  # the consumer of a replica gone for good is deleted after this
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,8 @@ class StreamReplica:
         self._js: JetStreamContext | None = None
         self._store: ObjectStore | None = None
         self._waiters: dict[int, asyncio.Future[Applied]] = {}
+        # What the last registrations did, for `publish_and_apply` (they are rare: a few per worker).
+        self._outcomes: OrderedDict[int, Applied] = OrderedDict()
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer_config: ConsumerConfig | None = None
         self._stopping = False
@@ -316,7 +320,10 @@ class StreamReplica:
         publish timeout answers Unavailable, though the write is in the stream and will apply."""
         sequence = await self.publish(kind, data)
         if sequence <= self.applied_sequence:
-            raise ServiceError("internal: published message already consumed")  # never: one consumer, in order
+            # The consumer may take the message before this coroutine resumes from the ack.
+            outcome = self._outcomes.get(sequence)
+            if outcome is not None:
+                return outcome
         waiter = self._waiters[sequence] = asyncio.get_running_loop().create_future()
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.settings.publish_timeout_secs)
@@ -412,6 +419,10 @@ class StreamReplica:
             self._listen(subscription)
         if applied.unsubscribe:
             self.listeners.stop(applied.unsubscribe)
+        if kind in (replication.REGISTER, replication.UNREGISTER):
+            self._outcomes[sequence] = applied
+            if len(self._outcomes) > KEPT_OUTCOMES:
+                self._outcomes.popitem(last=False)
         waiter = self._waiters.get(sequence)
         if waiter is not None and not waiter.done():
             waiter.set_result(applied)

@@ -175,6 +175,12 @@ def _apply_batch(indexer: Indexer, batch: Batch) -> ApplyReport:
                                block_size=batch.block_size)
     except MalformedBatch as error:
         raise ServiceError(f"engine batch seq {batch.seq} of worker {batch.worker_id}: {error}") from None
+    # A copy JetStream did not catch (published after its duplicate window, by a replica that
+    # was stalled that long) carries a seq the rank has passed: skip it. An engine restart is
+    # a `reset` message first, which clears the watermark, so a new count is never mistaken.
+    watermark = indexer.watermark(batch.model_name, batch.tenant_id, batch.worker_id, decoded.dp_rank)
+    if watermark is not None and batch.seq <= watermark:
+        return indexer.skip_batch(len(decoded.events))
     return indexer.apply_batch(batch.model_name, batch.tenant_id, decoded.events)
 
 

@@ -511,6 +511,17 @@ class Indexer:
         self.events_rejected_total += report.rejected
         return report
 
+    def watermark(self, model_name: str, tenant_id: str, worker_id: int, dp_rank: int) -> int | None:
+        """The id of the last batch applied to the rank (None: none since it was created or reset)."""
+        partition = self.partitions.get((model_name, tenant_id))
+        rank = partition.ranks.get((worker_id, dp_rank)) if partition is not None else None
+        return rank.last_event_id if rank is not None else None
+
+    def skip_batch(self, events: int) -> ApplyReport:
+        """Count a batch left out as a re-delivery (every event of it skipped)."""
+        self.events_skipped_total += events
+        return ApplyReport(skipped=events)
+
     def reset_rank(self, model_name: str, tenant_id: str, worker_id: int, dp_rank: int) -> int:
         """Forget everything one rank holds, and its watermark: its engine restarted, so its
         old blocks are gone and its sequence numbers start again. Returns the device blocks
