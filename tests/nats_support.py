@@ -86,8 +86,12 @@ class NatsServer:
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
 
-    def restart(self) -> None:
+    def restart(self, *, wipe: bool = False) -> None:
+        """Stop and start again on the same port; `wipe`: without its JetStream store (streams,
+        consumers and object stores gone), as a server on ephemeral storage comes back."""
         self.stop()
+        if wipe:
+            shutil.rmtree(self.directory / "jetstream", ignore_errors=True)
         self.start()
 
     def log_text(self) -> str:

@@ -460,3 +460,22 @@ def test_replicas_started_with_the_same_workers_register_them_once(tmp_path: Pat
             assert [(w["instance_id"], w["ranks"][0]["registered"], w["ranks"][0]["endpoint"]) for w in view] == [
                 (5, True, engine.endpoint)]
     context.term()
+
+
+def test_a_nats_server_back_without_its_store_is_rebuilt_and_replicas_go_on(tmp_path: Path) -> None:
+    """The stream, the consumers and the snapshots are gone: the replicas create them again,
+    keep the index they hold, and apply the new stream from its start, in agreement."""
+    rng = random.Random(16)
+    with seeded_engines(65) as engines, fleet(tmp_path) as (fleet_, single):
+        replicas = [fleet_.start(name) for name in "AB"]
+        for engine in engines:
+            fleet_.write(rng, "/register", engine.our_registration(subscribe=False), (201,))
+            post_ok(single, "/register", engine.our_registration(subscribe=False), 201)
+        workload = Workload(rng, engines)
+        feed(fleet_, single, workload, engines, [], rng, 80, GROW)
+        assert_same_index(replicas, single, workload, rng, "before the NATS store is lost")
+        fleet_.nats.restart(wipe=True)
+        feed(fleet_, single, workload, engines, [], rng, 60, SHRINK)
+        assert_same_index(replicas, single, workload, rng, "after the NATS store was lost")
+        late = fleet_.start("C")  # from the snapshot the survivors write of what they hold
+        assert_same_index([*replicas, late], single, workload, rng, "a replica started after the loss")

@@ -38,7 +38,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 import nats.errors
 import nats.js.errors
@@ -52,6 +52,7 @@ from nats.js.api import (
     ObjectMeta,
     StorageType,
     StreamConfig,
+    StreamInfo,
 )
 from nats.js.object_store import ObjectStore
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -82,7 +83,8 @@ FETCH_TIMEOUT_SECS: Final = 1.0
 APPLY_SLICE_SECS: Final = 0.002  # applying hands the event loop back to requests this often
 RETRY_SECS: Final = 0.5
 INACTIVE_CONSUMER_SECS: Final = 3600.0
-KEPT_OUTCOMES: Final = 4096  # the consumer of a replica gone for good is deleted after this
+KEPT_OUTCOMES: Final = 4096
+VERIFY_SECS: Final = 5.0  # while idle, how often a replica checks that its stream and consumer still exist  # the consumer of a replica gone for good is deleted after this
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,8 @@ class StreamReplica:
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer_config: ConsumerConfig | None = None
         self._stopping = False
+        self._verify_at = 0.0  # loop time of the next look at whether the stream and consumer exist
+        self._stream_id = ""  # the incarnation of the stream this replica's sequence numbers are of
 
     # --- start and stop -----------------------------------------------------------------------
 
@@ -158,7 +162,7 @@ class StreamReplica:
         start consuming after it. Raises when NATS is unreachable or the snapshot unusable."""
         self.client, self.connection_counts = await connect(self.settings.url, name=self.name)
         self._js = self.client.jetstream(timeout=self.settings.publish_timeout_secs)
-        await self._ensure_stream()
+        self._stream_id = await self._ensure_stream()
         self._store = await self._ensure_bucket()
         if self.settings.reset_state:
             await self._reset()
@@ -187,7 +191,9 @@ class StreamReplica:
                 logger.debug("flushing the NATS connection: %s", exc)
             await self.client.close()
 
-    async def _ensure_stream(self) -> None:
+    async def _ensure_stream(self) -> str:
+        """Create or adjust the stream; returns its incarnation (when it was created): sequence
+        numbers and snapshots only mean something within one incarnation."""
         assert self._js is not None
         config = StreamConfig(
             name=self.settings.stream,
@@ -200,15 +206,16 @@ class StreamReplica:
         try:
             info = await self._js.stream_info(self.settings.stream)
         except nats.js.errors.NotFoundError:
-            await self._js.add_stream(config)
+            info = await self._js.add_stream(config)
             logger.info("created stream %s (subjects %s.>, retention %gs)", config.name, self.prefix,
                         self.settings.retention_secs)
-            return
+            return _incarnation(info)
         if (info.config.max_age, info.config.subjects, info.config.duplicate_window) != (
                 config.max_age, config.subjects, config.duplicate_window):
             await self._js.update_stream(config)
             logger.info("updated stream %s: subjects %s.>, retention %gs", config.name, self.prefix,
                         self.settings.retention_secs)
+        return _incarnation(info)
 
     async def _ensure_bucket(self) -> ObjectStore:
         assert self._js is not None
@@ -250,10 +257,17 @@ class StreamReplica:
             raise SnapshotError(
                 f"the snapshot in bucket {self._store._name} is not usable ({getattr(exc, 'message', exc)}); "
                 "delete it (and let a replica write a new one) or start with --reset-state") from None
-        self.applied_sequence = self.snapshot_sequence = sequence
         for subscription in subscriptions:
             self._listen(subscription)
         first = (await self._js.stream_info(self.settings.stream)).state.first_seq
+        taken_of = _parse_description(result.info.description).stream
+        if taken_of != self._stream_id:
+            logger.error(
+                "the snapshot was taken of an earlier stream %s (this one was created %s): its history is gone. "
+                "Loading the snapshot's index and applying the new stream from its start", self.settings.stream,
+                self._stream_id)
+            sequence = max(0, first - 1)
+        self.applied_sequence = self.snapshot_sequence = sequence
         if first > sequence + 1:
             self.counts.skipped_sequences += first - sequence - 1
             logger.error(
@@ -304,6 +318,7 @@ class StreamReplica:
             ack = await self._js.publish(f"{self.prefix}.{kind}", data, headers=headers)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             self.counts.publish_failures += 1
+            self._verify_at = 0.0  # the stream may be gone: the consumer loop looks at once
             raise Unavailable(
                 f"the NATS server did not acknowledge the write in time ({type(exc).__name__}): it may or may "
                 "not be applied; repeating it is safe (event ids already applied are skipped, a routing report "
@@ -372,7 +387,10 @@ class StreamReplica:
             try:
                 messages = await self._sub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_SECS)
             except nats.errors.TimeoutError:
-                self.lag = 0  # nothing pending: caught up
+                self.lag = 0  # nothing pending: caught up, or the stream is gone (a fetch cannot tell)
+                if loop.time() >= self._verify_at:
+                    self._verify_at = loop.time() + VERIFY_SECS
+                    await self._resubscribe_if_lost()
                 continue
             except asyncio.CancelledError:
                 raise
@@ -434,20 +452,35 @@ class StreamReplica:
                         subscription.endpoint)
 
     async def _resubscribe_if_lost(self) -> None:
-        """After a NATS server restart without its store (or a consumer deleted by hand), carry on
-        from where this replica is."""
+        """After a NATS server came back without its store (or someone deleted the stream or this
+        consumer): create what is missing and carry on from where this replica is. A stream that
+        starts over has lost its history; every replica keeps the index it holds and applies
+        the new stream from its start, so they still agree with each other."""
         assert self._js is not None
         try:
             await self._js.consumer_info(self.settings.stream, self.name)
+            return
         except nats.js.errors.NotFoundError:
+            pass
+        except Exception:  # noqa: BLE001 - still disconnected: the fetch loop retries
+            return
+        try:
+            incarnation = await self._ensure_stream()
+            self._store = await self._ensure_bucket()
+            if incarnation != self._stream_id:
+                state = (await self._js.stream_info(self.settings.stream)).state
+                logger.error(
+                    "stream %s starts over (created %s; this replica applied seq %d of the one created %s): its "
+                    "history is gone. Keeping the index held here and applying the new stream from its start",
+                    self.settings.stream, incarnation, self.applied_sequence, self._stream_id)
+                self._stream_id = incarnation
+                self.applied_sequence = max(0, state.first_seq - 1)
+                self.snapshot_sequence = 0
             logger.warning("consumer %s is gone from the server: creating it again from seq %d", self.name,
                            self.applied_sequence + 1)
-            try:
-                await self._subscribe()
-            except Exception as exc:  # noqa: BLE001 - retried at the next failure
-                logger.warning("recreating the consumer: %s", exc)
-        except Exception:  # noqa: BLE001 - still disconnected: the fetch loop retries
-            pass
+            await self._subscribe()
+        except Exception as exc:  # noqa: BLE001 - retried at the next failure
+            logger.warning("recreating the stream or the consumer: %s: %s", type(exc).__name__, exc)
 
     # --- readiness and snapshots --------------------------------------------------------------
 
@@ -474,12 +507,18 @@ class StreamReplica:
                 logger.warning("snapshot not written: %s: %s", type(exc).__name__, exc)
 
     async def _snapshot_due(self) -> bool:
-        assert self._store is not None
+        assert self._store is not None and self._js is not None
+        if _incarnation(await self._js.stream_info(self.settings.stream)) != self._stream_id:
+            self._verify_at = 0.0  # a new stream: the consumer loop starts over first
+            return False
         try:
             info = await self._store.get_info(SNAPSHOT_OBJECT)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
             return self.applied_sequence > 0
-        stored_sequence, stored_at = _parse_description(info.description)
+        stored = _parse_description(info.description)
+        if stored.stream != self._stream_id:
+            return True  # of an earlier stream
+        stored_sequence, stored_at = stored.sequence, stored.time
         ahead = self.applied_sequence - stored_sequence
         if ahead <= 0:
             return False
@@ -492,7 +531,8 @@ class StreamReplica:
         snapshot = replication.collect(self.indexer, self.applied_sequence)
         data = await asyncio.to_thread(lambda: b"".join(replication.encode_snapshot(snapshot)))
         await self._store.put(SNAPSHOT_OBJECT, data, meta=ObjectMeta(
-            name=SNAPSHOT_OBJECT, description=f"sequence={snapshot.sequence} time={time.time():.3f} by={self.name}"))
+            name=SNAPSHOT_OBJECT,
+            description=f"sequence={snapshot.sequence} time={time.time():.3f} stream={self._stream_id} by={self.name}"))
         self.snapshot_sequence = snapshot.sequence
         self.counts.snapshots_written += 1
         self.counts.snapshot_seconds = time.perf_counter() - started
@@ -501,12 +541,22 @@ class StreamReplica:
         return snapshot.sequence
 
 
-def _parse_description(description: str | None) -> tuple[int, float]:
+class _SnapshotTag(NamedTuple):
+    sequence: int  # the last stream message the snapshot covers
+    time: float  # Unix time it was written
+    stream: str  # the incarnation of the stream it was taken of
+
+
+def _parse_description(description: str | None) -> _SnapshotTag:
     fields = dict(part.partition("=")[::2] for part in (description or "").split())
     try:
-        return int(fields.get("sequence", 0)), float(fields.get("time", 0.0))
+        return _SnapshotTag(int(fields.get("sequence", 0)), float(fields.get("time", 0.0)), fields.get("stream", ""))
     except ValueError:
-        return 0, 0.0
+        return _SnapshotTag(0, 0.0, "")
+
+
+def _incarnation(info: StreamInfo) -> str:
+    return info.created.isoformat() if info.created is not None else ""
 
 
 _COUNTER_HELP: Final = {
