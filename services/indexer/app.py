@@ -363,7 +363,11 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
     first reachable of `peers`, before the server accepts connections (the server opens the port
     after the lifespan starts), and subscribes to the engines of `workers` (`--workers`). While
     serving, the snapshot is rewritten every `snapshot_interval_secs`, and once more at
-    shutdown, after the requests in flight and after every engine listener has closed."""
+    shutdown, after the requests in flight and after every engine listener has closed.
+
+    With `nats` (`--nats`) the app is one replica: start-up connects, loads the newest snapshot
+    from the object store and starts consuming the stream (`/ready` waits until it has caught
+    up); the write routes publish instead of applying (`ReplicatedRoutes`)."""
     max_blocks, snapshot, full_gc_interval_secs = config.max_blocks, config.snapshot, config.full_gc_interval_secs
     workers, recovery_deadline_secs = config.workers, config.recovery_deadline_secs
     if indexer is None:
