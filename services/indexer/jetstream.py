@@ -386,7 +386,9 @@ class StreamReplica:
         while not self._stopping:
             try:
                 messages = await self._sub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_SECS)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                # nats-py raises its own TimeoutError, or asyncio's when the server's "request
+                # timeout" status races the client's deadline (a busy loop): both mean idle.
                 self.lag = 0  # nothing pending: caught up, or the stream is gone (a fetch cannot tell)
                 if loop.time() >= self._verify_at:
                     self._verify_at = loop.time() + VERIFY_SECS
