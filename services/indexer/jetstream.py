@@ -42,6 +42,7 @@ from typing import Final, NamedTuple
 
 import nats.errors
 import nats.js.errors
+import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -154,6 +155,12 @@ class StreamReplica:
         self._stopping = False
         self._verify_at = 0.0  # loop time of the next look at whether the stream and consumer exist
         self._stream_id = ""  # the incarnation of the stream this replica's sequence numbers are of
+        self._inbox: str | None = None  # where pulled messages arrive (`_on_message`)
+        self._pull_done = asyncio.Event()
+        self._pulled = 0  # messages the current pull request brought
+        self._pull_status: str | None = None  # the status that ended it
+        self._last_pulled: Msg | None = None  # acknowledged (with every one before it) after the request
+        self._slice_started = 0.0
 
     # --- start and stop -----------------------------------------------------------------------
 
@@ -295,8 +302,11 @@ class StreamReplica:
             inactive_threshold=INACTIVE_CONSUMER_SECS,
             description="one dynamo_lite indexer replica",
         )
-        self._sub = await self._js.pull_subscribe(f"{self.prefix}.>", durable=self.name,
-                                                  stream=self.settings.stream, config=self._consumer_config)
+        await self._js.add_consumer(self.settings.stream, self._consumer_config)
+        if self._inbox is None:
+            assert self.client is not None
+            self._inbox = self.client.new_inbox()
+            await self.client.subscribe(self._inbox, cb=self._on_message)
 
     # --- publishing -----------------------------------------------------------------------------
 
@@ -381,38 +391,63 @@ class StreamReplica:
 
     # --- consuming ----------------------------------------------------------------------------
 
+    # Pulling is done here rather than with nats-py's `fetch`, which starts a task and a timer
+    # for every message it hands over (70 us of a replica's CPU per message, measured): one pull
+    # request at a time for up to FETCH_BATCH messages, which arrive at a callback that applies
+    # them as they come. The server ends a request with a status message (408 when it expired
+    # with nothing more to give, 409 when the consumer went away); a request that gets no answer
+    # at all (lost in a reconnection) is abandoned after its expiry plus a margin.
+
     async def _consume(self) -> None:
+        assert self.client is not None
         loop = asyncio.get_running_loop()
+        request = orjson.dumps({"batch": FETCH_BATCH, "expires": int(FETCH_TIMEOUT_SECS * 1e9)})
         while not self._stopping:
+            self._pull_done.clear()
+            self._pulled = 0
+            self._pull_status = None
             try:
-                messages = await self._sub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_SECS)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                # nats-py raises its own TimeoutError, or asyncio's when the server's "request
-                # timeout" status races the client's deadline (a busy loop): both mean idle.
-                self.lag = 0  # nothing pending: caught up, or the stream is gone (a fetch cannot tell)
-                if loop.time() >= self._verify_at:
-                    self._verify_at = loop.time() + VERIFY_SECS
-                    await self._resubscribe_if_lost()
-                continue
+                await self.client.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.settings.stream}.{self.name}", request,
+                                          reply=self._inbox)
+                await asyncio.wait_for(self._pull_done.wait(), FETCH_TIMEOUT_SECS + 2.0)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a disconnection, a consumer lost with the server's state...
-                logger.warning("fetching from stream %s: %s: %s", self.settings.stream, type(exc).__name__, exc)
-                await asyncio.sleep(RETRY_SECS)
+            except Exception as exc:  # noqa: BLE001 - no answer (a disconnection), or cannot publish
+                logger.debug("pull request unanswered: %s: %s", type(exc).__name__, exc)
+                await asyncio.sleep(RETRY_SECS if not self.client.is_connected else 0)
+                self._verify_at = 0.0
+            last = self._last_pulled
+            if last is not None:
+                self._last_pulled = None
+                try:
+                    await last.ack()
+                except Exception as exc:  # noqa: BLE001 - an ack lost in a disconnection only means redelivery
+                    logger.debug("ack failed: %s", exc)
+            if self._pulled == 0 and self._pull_status in ("404", "408"):
+                self.lag = 0  # nothing pending: caught up, or the stream is gone (a pull cannot tell)
+            if self._pull_status == "409" or (self._pulled == 0 and loop.time() >= self._verify_at):
+                self._verify_at = loop.time() + VERIFY_SECS
                 await self._resubscribe_if_lost()
-                continue
-            if not messages:
-                continue
-            slice_started = loop.time()
-            for message in messages:
-                self._apply(message)
-                if loop.time() - slice_started > APPLY_SLICE_SECS:
-                    await asyncio.sleep(0)
-                    slice_started = loop.time()
-            try:
-                await messages[-1].ack()
-            except Exception as exc:  # noqa: BLE001 - an ack lost in a disconnection only means redelivery
-                logger.debug("ack failed: %s", exc)
+
+    async def _on_message(self, message: Msg) -> None:
+        headers = message.headers
+        status = headers.get("Status") if headers else None
+        if status is not None:
+            if status != "100":  # not an idle heartbeat: the request is over
+                self._pull_status = status
+                if status == "409":
+                    logger.warning("pull from stream %s refused: %s", self.settings.stream, headers.get("Description"))
+                self._pull_done.set()
+            return
+        self._apply(message)
+        self._last_pulled = message
+        self._pulled += 1
+        if self._pulled >= FETCH_BATCH:
+            self._pull_done.set()
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._slice_started > APPLY_SLICE_SECS:
+            await asyncio.sleep(0)  # requests get their turn between slices of applying
+            self._slice_started = loop.time()
 
     def _apply(self, message: Msg) -> None:
         metadata = message.metadata
