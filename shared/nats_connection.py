@@ -14,11 +14,12 @@ keeps what is published in a buffer of `PENDING_BYTES` and sends it after reconn
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import nats
 from nats.aio.client import Client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -26,6 +27,7 @@ from prometheus_client.registry import Collector
 logger = logging.getLogger("dynamo_lite.nats")
 
 CONNECT_TIMEOUT_SECS = 5.0
+START_TIMEOUT_SECS = 10.0  # the first connection: a replica that cannot reach NATS fails its start-up
 RECONNECT_WAIT_SECS = 0.5
 # What a replica may publish while the server is unreachable (nats-py's default is 2 MiB).
 PENDING_BYTES = 64 * 1024 * 1024
@@ -58,8 +60,8 @@ class ConnectionCounts:
 
 
 async def connect(url: str, *, name: str) -> tuple[Client, ConnectionCounts]:
-    """Connect to `url` (retried until `CONNECT_TIMEOUT_SECS` have passed at start-up, then
-    reconnected forever). Raises the last connection error when the first connect fails."""
+    """Connect to `url`, retried for `START_TIMEOUT_SECS` (then ConnectionError: the start-up
+    fails, and the orchestrator restarts the process), and reconnected forever after that."""
     counts = ConnectionCounts()
 
     async def disconnected() -> None:
@@ -76,18 +78,27 @@ async def connect(url: str, *, name: str) -> tuple[Client, ConnectionCounts]:
         counts.errors += 1
         logger.warning("NATS: %s: %s", type(exc).__name__, exc)
 
-    client = await nats.connect(
-        server_urls(url),
-        name=name,
-        connect_timeout=CONNECT_TIMEOUT_SECS,
-        reconnect_time_wait=RECONNECT_WAIT_SECS,
-        max_reconnect_attempts=-1,
-        allow_reconnect=True,
-        pending_size=PENDING_BYTES,
-        disconnected_cb=disconnected,
-        reconnected_cb=reconnected,
-        error_cb=error,
-    )
+    client = Client()
+    try:
+        await asyncio.wait_for(client.connect(
+            server_urls(url),
+            name=name,
+            connect_timeout=CONNECT_TIMEOUT_SECS,
+            reconnect_time_wait=RECONNECT_WAIT_SECS,
+            max_reconnect_attempts=-1,
+            allow_reconnect=True,
+            pending_size=PENDING_BYTES,
+            # A replica never needs what it published itself back (the indexer's stream
+            # deliveries and acknowledgements come from the server, not from this connection).
+            no_echo=True,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+            error_cb=error,
+        ), START_TIMEOUT_SECS)
+    except asyncio.TimeoutError:
+        with contextlib.suppress(Exception):
+            await client.close()
+        raise ConnectionError(f"cannot reach the NATS server at {url} within {START_TIMEOUT_SECS:g}s") from None
     logger.info("connected to NATS at %s as %s", client.connected_url.netloc if client.connected_url else url, name)
     return client, counts
 
