@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
-from dynamo_lite.cli import add_recovery_arguments, configure_logging, parse_args, positive_float, serve, service_parser
+from dynamo_lite.cli import (
+    add_recovery_arguments,
+    configure_logging,
+    non_negative_float,
+    parse_args,
+    positive_float,
+    serve,
+    service_parser,
+)
+from dynamo_lite.nats_connection import add_nats_arguments
 
 from .app import DEFAULT_SNAPSHOT_INTERVAL_SECS, SlotTrackerConfig, create_app
 from .core import DEFAULT_REQUEST_TTL_SECS
+from .nats_sync import DEFAULT_JOIN_TIMEOUT_SECS, DEFAULT_PUBLISH_TIMEOUT_SECS, DEFAULT_SUBJECT_PREFIX, NatsSettings
 
 DEFAULT_PORT = 8091
 
@@ -27,11 +38,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_recovery_arguments(parser, state="workers and active requests", peers="slot trackers",
                            snapshot_interval_secs=DEFAULT_SNAPSHOT_INTERVAL_SECS)
+    add_replica_arguments(parser)
     args = parse_args(parser, argv)
+    if args.nats and args.peers:
+        parser.error("--peers does not go with --nats: a replica joining takes the state of a running one "
+                     "through NATS (and loads --snapshot only when none answers)")
     configure_logging(args.log_level, args.log_format)
     logging.getLogger("dynamo_lite.slot_tracker").info(
-        "starting slot tracker on %s:%d (request TTL %ss)%s", args.host, args.port, args.request_ttl_secs,
+        "starting slot tracker on %s:%d (request TTL %ss)%s%s", args.host, args.port, args.request_ttl_secs,
         f" (peers: {', '.join(args.peers)})" if args.peers else "",
+        f" (replicas through NATS at {args.nats}, subjects {args.nats_subject_prefix}.*)" if args.nats else "",
     )
     serve(create_app(SlotTrackerConfig(
         request_ttl_secs=args.request_ttl_secs,
@@ -40,7 +56,31 @@ def main(argv: list[str] | None = None) -> None:
         snapshot=args.snapshot,
         snapshot_interval_secs=args.snapshot_interval_secs,
         ignore_bad_snapshot=args.ignore_bad_snapshot,
+        nats=nats_settings(args),
     )), args)
+
+
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    group = add_nats_arguments(parser, subject_prefix=DEFAULT_SUBJECT_PREFIX, what="workers and active requests")
+    group.add_argument(
+        "--nats-join-timeout-secs", type=positive_float, default=DEFAULT_JOIN_TIMEOUT_SECS,
+        help="at start-up, how long to wait for a running replica to send its state; when none answers, "
+        "this replica starts as the first, from --snapshot if given, else empty. --peers does not go with --nats",
+    )
+    group.add_argument(
+        "--nats-publish-timeout-secs", type=non_negative_float, default=DEFAULT_PUBLISH_TIMEOUT_SECS,
+        help="a write's answer waits until the NATS server has it (so an answered write survives this "
+        "replica's crash), at most this long; while NATS is unreachable it is answered at once and sent later. "
+        "0: answer at once (more writes per second; a write answered just before a crash may not reach the others)",
+    )
+
+
+def nats_settings(args: argparse.Namespace) -> NatsSettings | None:
+    if not args.nats:
+        return None
+    return NatsSettings(url=args.nats, subject_prefix=args.nats_subject_prefix,
+                        join_timeout_secs=args.nats_join_timeout_secs,
+                        publish_timeout_secs=args.nats_publish_timeout_secs)
 
 
 if __name__ == "__main__":

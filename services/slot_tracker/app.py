@@ -2,6 +2,11 @@
 
 Routes, status codes and messages follow Dynamo 1.6.1's standalone slot tracker, with
 `tenant_id` as the partition field (`routing_group` accepted as its input alias).
+
+With replicas (`--nats`, `ReplicatedRoutes`) the write routes apply the write here exactly as
+without, then publish it (`nats_sync`); their answer waits until the NATS server has it. Without
+`--nats` the routes are the plain `SlotTrackerRoutes`, untouched: no replication code runs on
+a request's path.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from msgspec import UNSET, UnsetType
 
@@ -24,6 +29,10 @@ from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is
 from .core import DEFAULT_REQUEST_TTL_SECS, SlotTracker
 from .metrics import SlotTrackerCollector
 from .snapshot import EMPTY, TrackerSnapshots, encode, recover
+
+if TYPE_CHECKING:  # imported only with --nats (see `create_app`)
+    from .nats_sync import NatsReplication, NatsSettings
+    from .replication import Replica
 
 logger = logging.getLogger("dynamo_lite.slot_tracker")
 
@@ -224,6 +233,61 @@ class SlotTrackerRoutes:
         return 200, http.Encoded(encode(self.tracker.dump(taken_at=time.time())))
 
 
+class ReplicatedRoutes(SlotTrackerRoutes):
+    """The write routes of a replica (`--nats`): applied through the `Replica`, which applies
+    them to the tracker exactly as `SlotTrackerRoutes` does (same answers and errors) and queues
+    them for the other replicas; answered once the NATS server has them. A write too large for
+    one NATS message is refused (413) before it is applied."""
+
+    def __init__(self, tracker: SlotTracker, replica: Replica, sync: NatsReplication) -> None:
+        super().__init__(tracker)
+        self.replica = replica
+        self.sync = sync
+
+    def register(self, request: RegisterRequest) -> Any:
+        tenant_id = _tenant(request)
+        self.sync.check_size(_size(request.model_name, tenant_id))
+        self.replica.register(request.worker_id, request.model_name, tenant_id, request.block_size,
+                              request.dp_start, request.dp_size)
+        return self.sync.confirmed(201, OK)
+
+    def unregister(self, request: UnregisterRequest) -> Any:
+        tenant_id = _tenant(request)
+        self.sync.check_size(_size(request.model_name, tenant_id))
+        self.replica.unregister(request.worker_id, request.model_name, tenant_id)
+        return self.sync.confirmed(200, OK)
+
+    def add(self, request: AddRequest) -> Any:
+        tenant_id = _tenant(request)
+        self.sync.check_size(_size(request.model_name, tenant_id, request.request_id), len(request.sequence_hashes))
+        self.replica.add(request.model_name, tenant_id, request.request_id, request.worker_id, request.dp_rank,
+                         request.sequence_hashes, request.new_isl_tokens)
+        return self.sync.confirmed(201, OK)
+
+    def prefill_complete(self, request: RequestIdRequest) -> Any:
+        tenant_id = _tenant(request)
+        self.sync.check_size(_size(request.model_name, tenant_id, request.request_id))
+        self.replica.prefill_complete(request.model_name, tenant_id, request.request_id)
+        return self.sync.confirmed(200, OK)
+
+    def output_blocks(self, request: OutputBlocksRequest) -> Any:
+        tenant_id = _tenant(request)
+        self.sync.check_size(_size(request.model_name, tenant_id, request.request_id))
+        self.replica.set_output_blocks(request.model_name, tenant_id, request.request_id, request.output_blocks)
+        return self.sync.confirmed(200, OK)
+
+    def free(self, request: RequestIdRequest) -> Any:
+        tenant_id = _tenant(request)
+        self.sync.check_size(_size(request.model_name, tenant_id, request.request_id))
+        self.replica.free(request.model_name, tenant_id, request.request_id)
+        return self.sync.confirmed(200, OK)
+
+
+def _size(*strings: str) -> int:
+    """An upper bound of the strings' UTF-8 size, without encoding them."""
+    return 4 * sum(map(len, strings))
+
+
 def _filters(params: QueryParams) -> tuple[str | None, str | None]:
     tenant = None
     if "tenant_id" in params or "routing_group" in params:
@@ -231,12 +295,14 @@ def _filters(params: QueryParams) -> tuple[str | None, str | None]:
     return params.get("model_name"), tenant
 
 
-async def _sweep_forever(tracker: SlotTracker, interval: float) -> None:
+async def _sweep_forever(tracker: SlotTracker, interval: float, replica: Replica | None = None) -> None:
     while True:
         await asyncio.sleep(interval)
         expired = tracker.expire()
         if expired:
             logger.info("expired %d stale requests older than %ss", expired, tracker.request_ttl_secs)
+        if replica is not None:
+            replica.prune()  # tombstones and silent replicas, a TTL after their last op
 
 
 @dataclass(frozen=True)
@@ -251,32 +317,55 @@ class SlotTrackerConfig:
     snapshot: str | None = None  # file loaded at start-up, rewritten periodically and at shutdown
     snapshot_interval_secs: float = DEFAULT_SNAPSHOT_INTERVAL_SECS
     ignore_bad_snapshot: bool = False
+    # Replicas sharing the state through a NATS server (`--nats`): a joining replica takes a
+    # running one's state (then the snapshot is not loaded); `peers` must then be empty.
+    nats: NatsSettings | None = None
 
 
 def create_app(config: SlotTrackerConfig = SlotTrackerConfig(), tracker: SlotTracker | None = None) -> http.Service:
     """The slot tracker app. Start-up, before the server accepts connections, copies the state of
     the first reachable of `peers`, or else loads the `snapshot` file (a running peer's state is
-    newer than any snapshot). While serving, the snapshot is rewritten every
+    newer than any snapshot); with `nats`, it joins the other replicas instead, and loads the
+    snapshot only when none answered. While serving, the snapshot is rewritten every
     `snapshot_interval_secs` when the state changed, and once more at shutdown, after the
     requests in flight have been answered."""
     tracker = tracker if tracker is not None else SlotTracker(request_ttl_secs=config.request_ttl_secs)
-    routes = SlotTrackerRoutes(tracker)
     snapshots = (TrackerSnapshots(tracker, config.snapshot, config.snapshot_interval_secs,
                                   ignore_bad=config.ignore_bad_snapshot)
                  if config.snapshot else None)
+    replica = sync = None
+    collectors: list[Any] = [SlotTrackerCollector(tracker)]
+    routes: SlotTrackerRoutes
+    if config.nats is None:
+        routes = SlotTrackerRoutes(tracker)
+    else:
+        if config.peers:
+            raise ValueError("peers and nats do not go together: a replica takes the state of the others through NATS")
+        from .metrics import ReplicationCollector
+        from .nats_sync import NatsReplication
+        from .replication import Replica
+
+        replica = Replica(tracker)
+        sync = NatsReplication(replica, config.nats)
+        routes = ReplicatedRoutes(tracker, replica, sync)
+        collectors.append(ReplicationCollector(sync))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: http.Service) -> AsyncIterator[None]:
         if snapshots is not None:
             snapshots.prepare()  # a snapshot directory that is missing fails now, not after the peers
-        peer = await recover(tracker, config.peers, deadline_secs=config.recovery_deadline_secs,
-                             otherwise=EMPTY if snapshots is None else f"snapshot {snapshots.path}")
-        if snapshots is not None:
-            if peer is None:
-                snapshots.restore()
-            else:
-                logger.info("snapshot %s not loaded: the state of peer %s is newer", snapshots.path, peer)
-        tasks = [asyncio.create_task(_sweep_forever(tracker, config.sweep_interval_secs))]
+        if sync is not None:
+            await sync.start(fallback=snapshots.restore if snapshots is not None else None)
+            app.state.not_ready = sync.not_ready
+        else:
+            peer = await recover(tracker, config.peers, deadline_secs=config.recovery_deadline_secs,
+                                 otherwise=EMPTY if snapshots is None else f"snapshot {snapshots.path}")
+            if snapshots is not None:
+                if peer is None:
+                    snapshots.restore()
+                else:
+                    logger.info("snapshot %s not loaded: the state of peer %s is newer", snapshots.path, peer)
+        tasks = [asyncio.create_task(_sweep_forever(tracker, config.sweep_interval_secs, replica))]
         if snapshots is not None:
             tasks.append(asyncio.create_task(snapshots.run_periodically()))
         try:
@@ -285,6 +374,8 @@ def create_app(config: SlotTrackerConfig = SlotTrackerConfig(), tracker: SlotTra
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if sync is not None:
+                await sync.stop()
             if snapshots is not None:
                 await snapshots.save_final()
 
@@ -304,7 +395,8 @@ def create_app(config: SlotTrackerConfig = SlotTrackerConfig(), tracker: SlotTra
             http.openapi_route(OPENAPI_PATH),
         ],
         lifespan=lifespan,
-        collectors=[SlotTrackerCollector(tracker)],
+        collectors=collectors,
     )
     app.state.tracker = tracker
+    app.state.replica = replica
     return app
