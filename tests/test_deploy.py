@@ -99,3 +99,57 @@ def test_probe_passes_on_a_live_service_and_fails_on_a_closed_port() -> None:
     )
     assert closed.returncode == 1
     assert "no service answered /health" in closed.stderr
+
+
+# --- deploy/compose/replicas.yaml -----------------------------------------------------------
+
+COMPOSE = ROOT / "deploy" / "compose" / "replicas.yaml"
+
+
+def compose_services() -> dict[str, dict[str, Any]]:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def test_compose_runs_several_replicas_of_each_service_on_nats() -> None:
+    services = compose_services()
+    ours = {name: service for name, service in services.items() if service.get("image") == "dynamo-lite"}
+    modules = sorted(service["command"][-1] for service in ours.values())
+    assert modules.count("dynamo_lite.indexer") >= 3 and modules.count("dynamo_lite.slot_tracker") >= 2
+    for name, service in ours.items():
+        env = service["environment"]
+        assert env["DYNAMO_LITE_NATS"] == "nats://nats:4222", name
+        result = subprocess.run([sys.executable, "-m", service["command"][-1], "--help"], capture_output=True,
+                                text=True, timeout=60, env={**os.environ, **env})
+        assert result.returncode == 0, (name, result.stderr)
+        help_text = re.sub(r"\s+", " ", result.stdout)
+        assert all(variable in help_text for variable in env), (name, env)
+        check = service["healthcheck"]["test"]
+        assert check[1:4] == ["python", "-m", "dynamo_lite.probe"]
+        assert check[check.index("--path") + 1] in served_paths(service["command"][-1])
+    names = [service["environment"].get("DYNAMO_LITE_NATS_REPLICA_NAME") for service in ours.values()
+             if service["command"][-1] == "dynamo_lite.indexer"]
+    assert len(set(names)) == len(names), "each indexer replica needs its own consumer name"
+
+
+def test_compose_nats_configuration_starts_a_nats_server_with_jetstream(tmp_path: Path) -> None:
+    from nats_support import nats_server_binary
+
+    document = yaml.safe_load(COMPOSE.read_text())
+    config = document["configs"]["nats-conf"]["content"]
+    assert "max_payload: 8MB" in config
+    port = free_port()
+    local = config.replace("0.0.0.0:4222", f"127.0.0.1:{port}").replace('"/data"', f'"{tmp_path}"')
+    (tmp_path / "nats.conf").write_text(local)
+    process = subprocess.Popen([nats_server_binary(), "-c", str(tmp_path / "nats.conf")], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "Server is ready" in line or len(lines) > 200:
+                break
+        text = "".join(lines)
+        assert "Server is ready" in text and "Starting JetStream" in text, text
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
