@@ -3,9 +3,10 @@ of what `/events` accepts): for any body, the same events or the same error."""
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
-import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,8 +25,11 @@ out_of_range = st.sampled_from([U64 + 1, I64_MIN - 1, 2**70, -(2**70)])
 # A key added to some object of the document, with a value that makes sense for it.
 PLAUSIBLE_ADDITIONS = {"dp_rank": 3, "removed": {"block_hashes": []}, "stored": {"blocks": []}, "cleared": None,
                        "error": "boom", "extra": 1}
-# What a single fault puts in place of a value.
-faults = st.one_of(st.sampled_from([None, True, False, 1.0, "7", [], {}, 1e30, "cleared"]), edge_ints)
+# What a single fault puts in place of a value. Copied each time: a `[]` or `{}` shared between
+# examples would collect what later "add" faults put into it, until one contained itself (a
+# self-referential document: a stack overflow in `_places`, seen once).
+faults = st.one_of(st.sampled_from([None, True, False, 1.0, "7", [], {}, 1e30, "cleared"]).map(copy.deepcopy),
+                   edge_ints)
 
 
 def _optional(key: str, value: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
@@ -94,7 +98,7 @@ def documents(draw: st.DrawFn) -> Any:
     path = draw(st.sampled_from(places))
     if kind == "add":
         key = draw(st.sampled_from(sorted(PLAUSIBLE_ADDITIONS)))
-        _at(document, path)[key] = draw(st.one_of(st.just(PLAUSIBLE_ADDITIONS[key]), faults))
+        _at(document, path)[key] = draw(st.one_of(st.just(PLAUSIBLE_ADDITIONS[key]).map(copy.deepcopy), faults))
         return document
     if not path:
         return draw(faults) if kind == "replace" else document
