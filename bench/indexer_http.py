@@ -246,22 +246,30 @@ def _can_events_answer(servers: dict[str, Server]) -> None:
     unregister_ours(servers["ours"].url, INGEST_MODEL, [99_999])
 
 
-def _post_stream(url: str, events: list[StoredEvent], worker_base: int, per_post: int, *, check: bool) -> float:
-    """Seconds to POST every event, `per_post` per document, over INGEST_CONNECTIONS
-    connections; the documents are built before the clock starts."""
+def build_lanes(url: str, model: str, events: list[StoredEvent], worker_base: int, per_post: int,
+                lanes: int = INGEST_CONNECTIONS) -> list[list[bytes]]:
+    """Prepared POST /events requests per connection; each connection owns a subset of the
+    workers, so each worker's events stay in order."""
     ids = EventIds()
-    lanes: list[list[bytes]] = [[] for _ in range(INGEST_CONNECTIONS)]
-    pending: list[list[StoredEvent]] = [[] for _ in range(INGEST_CONNECTIONS)]
+    requests: list[list[bytes]] = [[] for _ in range(lanes)]
+    pending: list[list[StoredEvent]] = [[] for _ in range(lanes)]
     for event in events:
         moved = StoredEvent(worker_base + event.worker, event.parent, event.exts, event.locals, event.tokens)
-        lane = event.worker % INGEST_CONNECTIONS
+        lane = event.worker % lanes
         pending[lane].append(moved)
         if len(pending[lane]) == per_post:
-            lanes[lane].append(post_request(url, "/events", events_document(INGEST_MODEL, pending[lane], ids)))
+            requests[lane].append(post_request(url, "/events", events_document(model, pending[lane], ids)))
             pending[lane] = []
     for lane, rest in enumerate(pending):
         if rest:
-            lanes[lane].append(post_request(url, "/events", events_document(INGEST_MODEL, rest, ids)))
+            requests[lane].append(post_request(url, "/events", events_document(model, rest, ids)))
+    return requests
+
+
+def _post_stream(url: str, events: list[StoredEvent], worker_base: int, per_post: int, *, check: bool) -> float:
+    """Seconds to POST every event, `per_post` per document, over INGEST_CONNECTIONS
+    connections; the documents are built before the clock starts."""
+    lanes = build_lanes(url, INGEST_MODEL, events, worker_base, per_post)
     answers: list[list[tuple[int, bytes]]] = [[] for _ in lanes]
     connections = [Connection(url) for _ in lanes]
     barrier = threading.Barrier(len(lanes) + 1)

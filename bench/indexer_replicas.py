@@ -78,7 +78,7 @@ from .index_data import (
     query_body,
     query_locals,
 )
-from .indexer_http import ReferenceFeed
+from .indexer_http import ReferenceFeed, build_lanes
 from .runner import machine_facts, progress
 from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu
 from .wrk import WrkError, WrkResult, ensure_wrk, run_wrk
@@ -386,26 +386,6 @@ _bases = iter(range(1_000, 10**9, 1_000))
 
 def next_worker_base() -> int:
     return next(_bases)
-
-
-def build_lanes(url: str, model: str, events: list[StoredEvent], worker_base: int, per_post: int,
-                lanes: int = INGEST_CONNECTIONS) -> list[list[bytes]]:
-    """Prepared POST /events requests per connection; each connection owns a subset of the
-    workers, so each worker's events stay in order."""
-    ids = EventIds()
-    requests: list[list[bytes]] = [[] for _ in range(lanes)]
-    pending: list[list[StoredEvent]] = [[] for _ in range(lanes)]
-    for event in events:
-        moved = StoredEvent(worker_base + event.worker, event.parent, event.exts, event.locals, event.tokens)
-        lane = event.worker % lanes
-        pending[lane].append(moved)
-        if len(pending[lane]) == per_post:
-            requests[lane].append(post_request(url, "/events", events_document(model, pending[lane], ids)))
-            pending[lane] = []
-    for lane, rest in enumerate(pending):
-        if rest:
-            requests[lane].append(post_request(url, "/events", events_document(model, rest, ids)))
-    return requests
 
 
 def send_lanes(url: str, lanes: list[list[bytes]]) -> tuple[float, float, list[tuple[int, bytes]]]:
