@@ -266,12 +266,10 @@ def build_lanes(url: str, model: str, events: list[StoredEvent], worker_base: in
     return requests
 
 
-def _post_stream(url: str, events: list[StoredEvent], worker_base: int, per_post: int, *, check: bool) -> float:
-    """Seconds to POST every event, `per_post` per document, over INGEST_CONNECTIONS
-    connections; the documents are built before the clock starts."""
-    lanes = build_lanes(url, INGEST_MODEL, events, worker_base, per_post)
+def send_lanes(url: str, lanes: list[list[bytes]]) -> tuple[float, float, list[tuple[int, bytes]]]:
+    """Send every lane over its own connection at once: (perf_counter start, end, answers)."""
     answers: list[list[tuple[int, bytes]]] = [[] for _ in lanes]
-    connections = [Connection(url) for _ in lanes]
+    connections = [Connection(url, timeout=120) for _ in lanes]
     barrier = threading.Barrier(len(lanes) + 1)
 
     def send_all(lane: int) -> None:
@@ -285,11 +283,20 @@ def _post_stream(url: str, events: list[StoredEvent], worker_base: int, per_post
     began = time.perf_counter()
     for thread in threads:
         thread.join()
-    seconds = time.perf_counter() - began
+    ended = time.perf_counter()
     for connection in connections:
         connection.close()
+    return began, ended, [answer for lane in answers for answer in lane]
+
+
+def _post_stream(url: str, events: list[StoredEvent], worker_base: int, per_post: int, *, check: bool) -> float:
+    """Seconds to POST every event, `per_post` per document, over INGEST_CONNECTIONS
+    connections; the documents are built before the clock starts."""
+    lanes = build_lanes(url, INGEST_MODEL, events, worker_base, per_post)
+    began, ended, answers = send_lanes(url, lanes)
+    seconds = ended - began
     applied = 0
-    for status, body in (answer for lane in answers for answer in lane):
+    for status, body in answers:
         if status != 200:
             raise RuntimeError(f"/events answered {status}: {body[:300]!r}")
         if check:

@@ -78,7 +78,7 @@ from .index_data import (
     query_body,
     query_locals,
 )
-from .indexer_http import ReferenceFeed, build_lanes
+from .indexer_http import ReferenceFeed, build_lanes, send_lanes
 from .runner import machine_facts, progress
 from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu
 from .wrk import WrkError, WrkResult, ensure_wrk, run_wrk
@@ -386,29 +386,6 @@ _bases = iter(range(1_000, 10**9, 1_000))
 
 def next_worker_base() -> int:
     return next(_bases)
-
-
-def send_lanes(url: str, lanes: list[list[bytes]]) -> tuple[float, float, list[tuple[int, bytes]]]:
-    """Send every lane over its own connection at once: (perf_counter start, end, answers)."""
-    answers: list[list[tuple[int, bytes]]] = [[] for _ in lanes]
-    connections = [Connection(url, timeout=120) for _ in lanes]
-    barrier = threading.Barrier(len(lanes) + 1)
-
-    def send_all(lane: int) -> None:
-        barrier.wait()
-        answers[lane] = [connections[lane].send(request) for request in lanes[lane]]
-
-    threads = [threading.Thread(target=send_all, args=(lane,)) for lane in range(len(lanes))]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    began = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    ended = time.perf_counter()
-    for connection in connections:
-        connection.close()
-    return began, ended, [answer for lane in answers for answer in lane]
 
 
 def ingest_run(report: Report, target: Target, nats_pid: int, events: list[StoredEvent], per_post: int,

@@ -13,7 +13,6 @@ nothing doubled.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import re
 import signal
@@ -32,7 +31,7 @@ from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.nats_sync import NatsReplication, NatsSettings
 from dynamo_lite.slot_tracker.replication import Replica
 from nats_support import NatsServer
-from test_slot_tracker_restart import Booked  # a request as far as the service acknowledged it
+from test_slot_tracker_restart import Booked, expected_loads  # the acknowledged writes, and their /loads
 from reference_server import ServerURL, free_port, running_service
 
 MODEL = "m"
@@ -176,14 +175,7 @@ def register_workers(url: str) -> None:
 
 def expected(booked: dict[str, Booked]) -> tuple[list[dict[str, Any]], dict[str, tuple]]:
     """`/loads` and `/dump` requests of a tracker fed only the acknowledged writes."""
-    tracker = SlotTracker()
-    for worker_id, tenant_id, dp_size in WORKERS:
-        tracker.register(worker_id, MODEL, tenant_id, 16, 0, dp_size)
-    for request_id, request in booked.items():
-        tracker.add(MODEL, request.tenant_id, request_id, request.worker_id, request.dp_rank, request.hashes,
-                    request.new_isl_tokens)
-        tracker.set_output_blocks(MODEL, request.tenant_id, request_id, request.output_blocks)
-    loads = [dataclasses.asdict(load) for load in tracker.loads()]
+    loads = expected_loads(booked, WORKERS)
     requests = {request_id: (request.tenant_id, request.worker_id, request.dp_rank, request.hashes,
                              request.new_isl_tokens, request.output_blocks) for request_id, request in booked.items()}
     return loads, requests

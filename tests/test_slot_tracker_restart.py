@@ -134,10 +134,10 @@ def register_workers(base_url: str) -> None:
         assert httpx.post(f"{base_url}/register", json=body).status_code == 201
 
 
-def expected_loads(booked: dict[str, Booked]) -> list[dict[str, Any]]:
-    """/loads of a tracker that saw only the acknowledged state."""
+def expected_loads(booked: dict[str, Booked], workers: list[tuple[int, str, int]] = WORKERS) -> list[dict[str, Any]]:
+    """/loads of a tracker that saw only the acknowledged state (`workers`: id, tenant, dp size)."""
     tracker = SlotTracker()
-    for worker_id, tenant_id, dp_size in WORKERS:
+    for worker_id, tenant_id, dp_size in workers:
         tracker.register(worker_id, MODEL, tenant_id, 16, 0, dp_size)
     for request_id, request in booked.items():
         tracker.add(MODEL, request.tenant_id, request_id, request.worker_id, request.dp_rank, request.hashes,

@@ -83,9 +83,9 @@ FETCH_BATCH: Final = 512
 FETCH_TIMEOUT_SECS: Final = 1.0
 APPLY_SLICE_SECS: Final = 0.002  # applying hands the event loop back to requests this often
 RETRY_SECS: Final = 0.5
-INACTIVE_CONSUMER_SECS: Final = 3600.0
-KEPT_OUTCOMES: Final = 4096
-VERIFY_SECS: Final = 5.0  # while idle, how often a replica checks that its stream and consumer still exist  # the consumer of a replica gone for good is deleted after this
+INACTIVE_CONSUMER_SECS: Final = 3600.0  # the consumer of a replica gone for good is deleted after this
+KEPT_OUTCOMES: Final = 4096  # registration outcomes kept for `publish_and_apply`
+VERIFY_SECS: Final = 5.0  # while idle, how often a replica checks that its stream and consumer still exist
 
 
 @dataclass(frozen=True)
