@@ -20,6 +20,7 @@ import orjson
 
 from dynamo_lite.cli import YOUNG_ONLY_GC_THRESHOLDS
 from dynamo_lite.hashing import to_signed
+from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer
 from dynamo_lite.indexer.tree import PrefixTree
@@ -104,7 +105,7 @@ def query_time(
     runs = 2000
     started = time.perf_counter()
     for _ in range(runs):
-        indexer.query("bench", "default", query)
+        query_answer(indexer.query("bench", "default", query))  # what /query_by_hash runs
     return (time.perf_counter() - started) / runs * 1e6
 
 

@@ -19,6 +19,7 @@ from test_indexer_core import L, apply, cleared, doc, removed, scores, stored
 from dynamo_lite.client import AsyncIndexerClient, ServiceCallError
 from dynamo_lite.errors import Conflict, NotFound
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed, to_signed_list
+from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.app import IndexerConfig, create_app
 from dynamo_lite.indexer.protocols import decode_events_document, parse_events_document
 from dynamo_lite.indexer.snapshot import encode
@@ -67,10 +68,10 @@ def test_routed_blocks_count_like_device_blocks_until_their_ttl_runs_out(clock: 
     indexer = make_indexer(clock)
     report = indexer.record_routed("llama", "default", 7, 0, L)
     assert (report.recorded, report.new, report.evicted) == (4, 4, 0)
-    answer = indexer.query("llama", "default", L)
+    answer = query_answer(indexer.query("llama", "default", L))
     assert answer == {"scores": {"7": {"0": 64}}, "frequencies": [], "instances": {"7": {
         "longest_matched": 64, "gpu": 64, "dp": {"0": 64}, "cpu": 64, "disk": 64}}}
-    assert indexer.query("llama", "default", to_signed_list(L)) == answer
+    assert query_answer(indexer.query("llama", "default", to_signed_list(L))) == answer
     assert scores(indexer, L[:2] + [12345]) == {"7": {"0": 32}}
     assert rank_info(indexer, 7) == ("approximate", True, 0, 4)
     clock.now = TTL - 0.001
@@ -139,7 +140,7 @@ def test_the_sweep_expires_every_partition(clock: Clock) -> None:
     clock.now = TTL
     assert indexer.expire_approximations() == 5  # all of llama, and [5, 6]'s tail in other
     assert indexer.approximate_blocks() == 1
-    assert indexer.query("other", "t", [5, 6])["scores"] == {"1": {"0": 4}}
+    assert query_answer(indexer.query("other", "t", [5, 6]))["scores"] == {"1": {"0": 4}}
     assert indexer.expire_approximations() == 0
 
 
@@ -166,13 +167,13 @@ def test_lower_tiers_count_past_the_longer_match(clock: Clock) -> None:
         stored(7, 1, 1, [2, 3], L[1:3], storage_tier="host_pinned"),
         stored(7, 2, 3, [4], L[3:4], storage_tier="disk"),
     ))
-    assert indexer.query("llama", "default", L)["instances"]["7"] == {
+    assert query_answer(indexer.query("llama", "default", L))["instances"]["7"] == {
         "longest_matched": 64, "gpu": 16, "dp": {"0": 16}, "cpu": 48, "disk": 64}
     indexer.record_routed("llama", "default", 7, 0, L[:2])
-    assert indexer.query("llama", "default", L)["instances"]["7"] == {
+    assert query_answer(indexer.query("llama", "default", L))["instances"]["7"] == {
         "longest_matched": 64, "gpu": 32, "dp": {"0": 32}, "cpu": 48, "disk": 64}
     indexer.record_routed("llama", "default", 7, 0, L)
-    assert indexer.query("llama", "default", L)["instances"]["7"] == {
+    assert query_answer(indexer.query("llama", "default", L))["instances"]["7"] == {
         "longest_matched": 64, "gpu": 64, "dp": {"0": 64}, "cpu": 64, "disk": 64}
 
 
@@ -257,9 +258,9 @@ def test_token_ids_are_hashed_as_query_hashes_them(clock: Clock) -> None:
     assert report.recorded == 4
     salted = local_block_hashes(tokens, 16, lora_name="adapter")
     assert scores(indexer, salted) == {"7": {"0": 64}}
-    assert indexer.query_tokens("llama", "default", tokens)["scores"] == {}
+    assert query_answer(indexer.query_tokens("llama", "default", tokens))["scores"] == {}
     indexer.record_routed_tokens("llama", "default", 8, 0, tokens[:40], cache_salt="s")
-    assert indexer.query_tokens("llama", "default", tokens, cache_salt="s")["scores"] == {"8": {"0": 32}}
+    assert query_answer(indexer.query_tokens("llama", "default", tokens, cache_salt="s"))["scores"] == {"8": {"0": 32}}
 
 
 # --- dumps, snapshots, recovery --------------------------------------------------------------
@@ -330,7 +331,7 @@ def test_an_events_document_with_only_approximations_creates_its_partition(clock
         {"worker_id": 4, "blocks": [
             {"block_hash": names[0], "tokens_hash": to_signed(L[0]), "expires_at": WALL + 1}]}]}}
     indexer.apply_events(parse_events_document(document))
-    assert indexer.query("m", "t", L)["scores"] == {"4": {"0": 16}}
+    assert query_answer(indexer.query("m", "t", L))["scores"] == {"4": {"0": 16}}
     with pytest.raises(Conflict):  # instance 4 belongs to m:t
         indexer.apply_events(parse_events_document({**document, "m:other": document["m:t"]}))
 

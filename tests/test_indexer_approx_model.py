@@ -35,6 +35,7 @@ from test_indexer_model import LOCALS, ModelWorker, external, model_match
 
 from dynamo_lite.errors import Conflict
 from dynamo_lite.hashing import to_signed_list
+from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.approx import shadow_of
 from dynamo_lite.indexer.protocols import LOWER_TIERS, parse_events_document
 from dynamo_lite.indexer.state import ApplyReport, Indexer
@@ -256,7 +257,7 @@ class ApproximateIndexModel(RuleBasedStateMachine):
         self._expire()
         for prompt in self.prompts:
             for query in (prompt, prompt[:-1] + [LOCALS[0] ^ 1]):
-                assert self.indexer.query(MODEL, TENANT, query) == self._expected(query), query
+                assert query_answer(self.indexer.query(MODEL, TENANT, query)) == self._expected(query), query
 
     @invariant()
     def ranks_match_the_model(self) -> None:

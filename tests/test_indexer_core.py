@@ -9,6 +9,8 @@ import pytest
 
 from dynamo_lite.errors import Conflict, InvalidArgument, InvalidShape, NotFound
 from dynamo_lite.hashing import local_block_hashes, to_signed, to_signed_list
+from dynamo_lite.indexer import answers
+from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.protocols import (
     CLEARED,
     PartitionEvents,
@@ -76,7 +78,7 @@ def apply(indexer: Indexer, document: dict) -> Any:
 
 
 def scores(indexer: Indexer, hashes: list[int], model: str = "llama", tenant: str = "default") -> dict:
-    return indexer.query(model, tenant, hashes)["scores"]
+    return query_answer(indexer.query(model, tenant, hashes))["scores"]
 
 
 def section_9_2() -> Indexer:
@@ -226,7 +228,7 @@ def test_section_9_2_scores_before_and_after_the_removal() -> None:
     indexer = section_9_2()
     assert scores(indexer, L) == {"7": {"0": 64}, "8": {"0": 32}}
     assert scores(indexer, to_signed_list(L)) == {"7": {"0": 64}, "8": {"0": 32}}
-    assert indexer.query_tokens("llama", "default", list(range(1, 65)) + [5, 5, 5])["scores"] == {
+    assert query_answer(indexer.query_tokens("llama", "default", list(range(1, 65)) + [5, 5, 5]))["scores"] == {
         "7": {"0": 64},
         "8": {"0": 32},
     }
@@ -299,7 +301,7 @@ def test_lower_tier_hits_without_device_hits() -> None:
             block_size=4,
         ),
     )
-    assert indexer.query_tokens("llama", "default", tokens) == {
+    assert query_answer(indexer.query_tokens("llama", "default", tokens)) == {
         "scores": {},
         "frequencies": [],
         "instances": {"1101": {"longest_matched": 12, "gpu": 0, "dp": {"0": 0}, "cpu": 8, "disk": 12}},
@@ -324,7 +326,7 @@ def test_lower_tiers_continue_the_device_match_in_order() -> None:
             block_size=4,
         ),
     )
-    assert indexer.query("llama", "default", h) == {
+    assert query_answer(indexer.query("llama", "default", h)) == {
         "scores": {"7": {"0": 8}, "8": {"0": 4, "1": 8}},
         "frequencies": [],
         "instances": {
@@ -337,9 +339,20 @@ def test_lower_tiers_continue_the_device_match_in_order() -> None:
 def test_query_miss_and_a_query_not_starting_at_a_root_block() -> None:
     indexer = section_9_2()
     empty = {"scores": {}, "frequencies": [], "instances": {}}
-    assert indexer.query("llama", "default", L[1:]) == empty
-    assert indexer.query("llama", "default", []) == empty
+    assert query_answer(indexer.query("llama", "default", L[1:])) == empty
+    assert query_answer(indexer.query("llama", "default", [])) == empty
     assert scores(indexer, [L[0], 12345, L[2]]) == {"7": {"0": 16}, "8": {"0": 16}}
+
+
+def test_the_result_counts_blocks_and_the_label_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    indexer = section_9_2()
+    result = indexer.query("llama", "default", L)
+    assert (result.block_size, result.device, result.host_pinned, result.disk) == (16, {(7, 0): 4, (8, 0): 2}, {}, {})
+    monkeypatch.setattr(answers, "MAX_LABELS", 1)
+    answers._labels.clear()
+    for _ in range(2):  # each key in turn finds the cache full and starts it again
+        assert query_answer(result)["scores"] == {"7": {"0": 64}, "8": {"0": 32}}
+        assert len(answers._labels) == 1
 
 
 # --- tree semantics --------------------------------------------------------------------------
@@ -730,11 +743,11 @@ def test_cleared_event_and_dp_ranks() -> None:
             stored(4, 1, 2, [9], L[2:3], dp_rank=0, storage_tier="host_pinned"),
         ),
     )
-    assert indexer.query("llama", "default", L)["instances"] == {
+    assert query_answer(indexer.query("llama", "default", L))["instances"] == {
         "4": {"longest_matched": 48, "gpu": 48, "dp": {"0": 32, "1": 48}, "cpu": 48, "disk": 48}
     }
     apply(indexer, doc(cleared(4, 1, dp_rank=1), cleared(4, 2, dp_rank=0)))
-    assert indexer.query("llama", "default", L) == {"scores": {}, "frequencies": [], "instances": {}}
+    assert query_answer(indexer.query("llama", "default", L)) == {"scores": {}, "frequencies": [], "instances": {}}
     assert [r.blocks + r.lower_tier_blocks for r in indexer.workers()[0].ranks] == [0, 0]
 
 
@@ -764,8 +777,8 @@ def test_query_tokens_hashes_with_lora_and_cache_salt() -> None:
     tokens = list(range(32))
     salted = local_block_hashes(tokens, 16, lora_name="my-lora", cache_salt="tenant-a")
     apply(indexer, doc(stored(1, 0, None, [1, 2], salted)))
-    assert indexer.query_tokens("llama", "default", tokens)["scores"] == {}
-    answer = indexer.query_tokens("llama", "default", tokens, lora_name="my-lora", cache_salt="tenant-a")
+    assert query_answer(indexer.query_tokens("llama", "default", tokens))["scores"] == {}
+    answer = query_answer(indexer.query_tokens("llama", "default", tokens, lora_name="my-lora", cache_salt="tenant-a"))
     assert answer["scores"] == {"1": {"0": 32}}
     with pytest.raises(InvalidShape, match=r"token_ids\[1\]"):
         indexer.query_tokens("llama", "default", [1, -1])

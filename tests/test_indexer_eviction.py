@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from starlette.testclient import TestClient
 
+from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.app import IndexerConfig, create_app
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer
@@ -204,8 +205,8 @@ def test_indexer_counts_evictions_per_partition_and_after_unregister() -> None:
     indexer.apply_events(parse_events_document(stored("b", 2, [1, 2, 3, 4])))  # its own budget
     assert indexer.evicted_blocks_total == 2
     assert [w.ranks[0].blocks for w in indexer.workers()] == [4, 4]
-    assert indexer.query("a", "default", [7, 14, 21])["scores"] == {"1": {"0": 16}}
-    assert indexer.query("a", "default", [70, 77, 84])["scores"] == {"1": {"0": 48}}
+    assert query_answer(indexer.query("a", "default", [7, 14, 21]))["scores"] == {"1": {"0": 16}}
+    assert query_answer(indexer.query("a", "default", [70, 77, 84]))["scores"] == {"1": {"0": 48}}
     indexer.unregister(1, "a", "default")
     assert indexer.evicted_blocks_total == 2  # kept after its partition is gone
 

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamo_lite.indexer import replication
+from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.jetstream import StreamReplica, StreamSettings
 from dynamo_lite.indexer.listeners import Listeners
 from dynamo_lite.indexer.replication import Batch, Register, Reset, Routed, Unregister
@@ -54,12 +55,12 @@ def test_each_kind_applies_and_says_what_the_shell_must_do() -> None:
         Register(MODEL, "default", BLOCK, 7, 0, "tcp://127.0.0.1:5557", None)))
     assert applied.error is None and [s.endpoint for s in applied.subscribe] == ["tcp://127.0.0.1:5557"]
     assert replication.apply(indexer, replication.EVENTS, events_message(7, 0, [1, 2])).report.applied == 1
-    assert indexer.query(MODEL, "default", [1, 2])["scores"] == {"7": {"0": 2 * BLOCK}}
+    assert query_answer(indexer.query(MODEL, "default", [1, 2]))["scores"] == {"7": {"0": 2 * BLOCK}}
     applied = replication.apply(indexer, *replication.encode(Routed(MODEL, "default", 8, 0, [1, 2, 3])))
     assert applied.error is None and applied.report.recorded == 3
     assert replication.apply(indexer, *replication.encode(vllm_batch(7, 0, [5]))).error is None
     replication.apply(indexer, *replication.encode(Reset(MODEL, "default", [(7, 0)], 0)))
-    assert indexer.query(MODEL, "default", [1, 2])["scores"] == {"8": {"0": 2 * BLOCK}}
+    assert query_answer(indexer.query(MODEL, "default", [1, 2]))["scores"] == {"8": {"0": 2 * BLOCK}}
     applied = replication.apply(indexer, *replication.encode(Unregister(MODEL, "default", 7)))
     assert applied.unsubscribe == [(7, 0)]
 
@@ -167,7 +168,7 @@ def test_the_generated_streams_really_index_blocks() -> None:
                ("routed", 3, [1])]:
         applied = replication.apply(indexer, *message(op))
         assert applied.error is None, (op, applied.error)
-    assert indexer.query(MODEL, "default", [1, 2])["scores"] == {"1": {"0": 2 * BLOCK}, "3": {"0": BLOCK}}
+    assert query_answer(indexer.query(MODEL, "default", [1, 2]))["scores"] == {"1": {"0": 2 * BLOCK}, "3": {"0": BLOCK}}
     assert indexer.events_skipped_total == 1  # the second document repeated event id 0
 
 

@@ -23,8 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from dynamo_lite.hashing import U64_MODULUS, to_signed
 from dynamo_lite.indexer import tree as tree_module
+from dynamo_lite.indexer.answers import query_answer, tiered_answer
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer, tiered_answer
+from dynamo_lite.indexer.state import Indexer, QueryResult
 from dynamo_lite.indexer.tree import MatchResult, Node, PrefixTree, Run, StoreStatus
 
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0), (4, 2)]
@@ -481,10 +482,11 @@ def test_mixed_forms_within_one_run(small_runs: None) -> None:
 
 
 def reference_answer(indexer: Indexer, model_name: str, tenant_id: str, hashes: list[int]) -> dict[str, Any]:
-    """`Indexer.query` as it was before runs and cached labels: the node-by-node walk, and the
-    answer shaped the general way, for every tier."""
+    """`Indexer.query` and `query_answer` as they were before runs and cached labels: the
+    node-by-node walk, and the answer shaped the general way, for every tier."""
     partition = indexer.partitions[(model_name, tenant_id)]
-    return tiered_answer(plain_match(partition.tree, hashes), partition.block_size)
+    match = plain_match(partition.tree, hashes)
+    return tiered_answer(QueryResult(partition.block_size, match.device, match.host_pinned, match.disk))
 
 
 @pytest.mark.parametrize("min_run", [1, 8])
@@ -549,7 +551,7 @@ def _answers_are_unchanged(limit: int, data: st.DataObject) -> None:
                 query = query[: rng.randint(1, len(query))] + [rng.choice(LOCALS) for _ in range(rng.randint(0, 3))]
                 sent = forms(query, rng.choice(["u64", "i64", "mixed"]), rng)
                 for _ in range(2):
-                    answer = indexer.query("m", "t", sent)
+                    answer = query_answer(indexer.query("m", "t", sent))
                     expected = reference_answer(indexer, "m", "t", sent)
                     assert json.dumps(answer) == json.dumps(expected)
                     assert answer == expected

@@ -6,5 +6,6 @@ how far host-pinned and disk copies extend that; for engines that publish nothin
 report their routing decisions instead and the index approximates. Layout, as in Dynamo's
 lib/kv-router: `protocols` (event model, parser, dump serializer), `tree` (one partition's
 index), `approx` (approximations of routed prompts, with their TTLs) and `state` (partitions,
-workers, event-id watermarks, query answers), all free of I/O.
+workers, event-id watermarks, query results), all free of I/O; `answers` shapes query results
+into Dynamo's JSON answer for the HTTP shell (`app`).
 """

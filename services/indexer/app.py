@@ -1,4 +1,5 @@
-"""HTTP shell of the indexer: parse and validate, call `Indexer`, serialise.
+"""HTTP shell of the indexer: parse and validate, call `Indexer`, shape its results
+(`answers.py` for the query routes), serialise.
 
 The query routes answer exactly as Dynamo 1.6.1's indexer does; `/events` takes the very
 document `/dump` produces, so two indexers (ours or Dynamo's) can recover from each other.
@@ -32,6 +33,7 @@ from .approx import DEFAULT_MAX_BLOCKS as DEFAULT_APPROX_MAX_BLOCKS
 from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
 
 from . import replication
+from .answers import query_answer
 from .jetstream import ReplicaCollector, StreamReplica, StreamSettings
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
 from .metrics import IndexerCollector, ListenerCollector
@@ -206,14 +208,15 @@ class IndexerRoutes:
         return 200, self.indexer.apply_events(document)
 
     def query_by_hash(self, request: QueryByHashRequest) -> HandlerResult:
-        return 200, self.indexer.query(request.model_name, tenant_of(request.tenant_id, request.routing_group),
-                                       request.block_hashes)
+        return 200, query_answer(self.indexer.query(
+            request.model_name, tenant_of(request.tenant_id, request.routing_group), request.block_hashes
+        ))
 
     def query(self, request: QueryRequest) -> HandlerResult:
-        return 200, self.indexer.query_tokens(
+        return 200, query_answer(self.indexer.query_tokens(
             request.model_name, tenant_of(request.tenant_id, request.routing_group), request.token_ids,
             lora_name=request.lora_name, cache_salt=request.cache_salt,
-        )
+        ))
 
     def routed(self, request: RoutedRequest) -> Any:
         tenant_id = tenant_of(request.tenant_id, request.routing_group)

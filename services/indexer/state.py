@@ -12,6 +12,9 @@ re-delivered batches (the events of one engine batch share its id), reports gaps
 event the index refuses is counted with a reason. Engine listeners (`listeners.py`) apply one
 ZMQ batch at a time through `apply_batch`, and `reset_rank` when an engine restarted.
 
+A query returns a `QueryResult`, the blocks matched per rank and tier; shaping it into Dynamo's
+JSON answer is the serving layer's job (`answers.py`).
+
 Ranks whose engines publish nothing are approximated (`record_routed`, see `approx.py`): the
 blocks of the requests routed to them count for a TTL. A partition has an `Approximations` only
 while some rank of it has approximations, so exact partitions pay nothing for them. A rank's
@@ -48,7 +51,7 @@ from dynamo_lite.indexer.protocols import (
     parse_events_document,
     partition_key,
 )
-from dynamo_lite.indexer.tree import MatchResult, PrefixTree, StoreStatus, WorkerKey
+from dynamo_lite.indexer.tree import PrefixTree, StoreStatus, WorkerKey
 
 PartitionId = tuple[str, str]  # (model_name, tenant_id)
 Source = Literal["events", "approximate", "none"]
@@ -123,6 +126,21 @@ class RankState:
 
 
 @dataclass(slots=True)
+class QueryResult:
+    """How far a prompt matches each rank of its partition, in blocks, per (instance_id, dp_rank),
+    zero counts left out: `device` is the leading run of query blocks the rank holds on the
+    device tier (its approximations included); `host_pinned` the blocks the host-pinned tier
+    adds right after that run; `disk` the blocks the disk and external tiers add after those.
+    `block_size` (tokens per block, the partition's) turns the counts into tokens. The dicts
+    are the query's own: the caller may keep or change them."""
+
+    block_size: int
+    device: dict[WorkerKey, int]
+    host_pinned: dict[WorkerKey, int]
+    disk: dict[WorkerKey, int]
+
+
+@dataclass(slots=True)
 class Rejection:
     partition: str
     index: int  # position of the event in its partition's events array
@@ -181,8 +199,6 @@ class Indexer:
         self.events_skipped_total = 0
         self.events_rejected_total = 0
         self.event_gaps_total = 0
-        # (instance, dp_rank) -> their JSON keys, str(instance) and str(dp_rank), for queries.
-        self._labels: dict[WorkerKey, tuple[str, str]] = {}
 
     # --- workers ------------------------------------------------------------------------------
 
@@ -235,7 +251,6 @@ class Indexer:
             del owner.ranks[key]
             self._forget_approximations(owner, key)
             owner.tree.drop_worker(key)
-            self._labels.pop(key, None)
         if not any(key[0] == instance_id for key in owner.ranks):
             del self._owner[instance_id]
         if not owner.ranks:
@@ -575,18 +590,10 @@ class Indexer:
 
     # --- queries ------------------------------------------------------------------------------
 
-    def query(self, model_name: str, tenant_id: str, local_hashes: Sequence[int]) -> dict[str, Any]:
+    def query(self, model_name: str, tenant_id: str, local_hashes: Sequence[int]) -> QueryResult:
         """Overlap of a prompt's local block hashes (u64, or i64 as `/query_by_hash` sends
-        them) with every worker, in Dynamo 1.6.1's response shape, all values in tokens:
-
-            {"scores": {instance: {dp_rank: device tokens}},      # zero scores left out
-             "frequencies": [],
-             "instances": {instance: {"longest_matched", "gpu", "dp": {dp_rank: tokens},
-                                      "cpu", "disk"}}}
-
-        `cpu` adds the host-pinned blocks that continue a rank's device match, `disk` adds to
-        that the disk and external ones; the instance values are maxima over its ranks.
-        """
+        them) with every rank of the partition: blocks matched per rank and tier (see
+        `QueryResult`). Expires the partition's due approximations first."""
         partition = self._existing(model_name, tenant_id)
         approx = partition.approx
         if approx is None:
@@ -596,38 +603,7 @@ class Indexer:
             match = partition.tree.match(local_hashes)
             approx.fold(match)
             self._settle(partition)
-        block_size = partition.block_size
-        if match.host_pinned or match.disk:
-            return tiered_answer(match, block_size)
-        # Device only, the common case: ranks hold the same tokens on every tier, and labels of
-        # ranks are cached as strings.
-        device = match.device
-        scores: dict[str, dict[str, int]] = {}
-        instances: dict[str, dict[str, Any]] = {}
-        labels = self._labels
-        for key in sorted(device):
-            tokens = device[key] * block_size
-            label = labels.get(key)
-            if label is None:
-                label = labels[key] = (str(key[0]), str(key[1]))
-            name, rank = label
-            per_rank = scores.get(name)
-            if per_rank is None:
-                scores[name] = {rank: tokens}
-                instances[name] = {
-                    "longest_matched": tokens,
-                    "gpu": tokens,
-                    "dp": {rank: tokens},
-                    "cpu": tokens,
-                    "disk": tokens,
-                }
-                continue
-            per_rank[rank] = tokens
-            entry = instances[name]
-            entry["dp"][rank] = tokens
-            if tokens > entry["gpu"]:
-                entry["longest_matched"] = entry["gpu"] = entry["cpu"] = entry["disk"] = tokens
-        return {"scores": scores, "frequencies": [], "instances": instances}
+        return QueryResult(partition.block_size, match.device, match.host_pinned, match.disk)
 
     def query_tokens(
         self,
@@ -637,7 +613,7 @@ class Indexer:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> QueryResult:
         """`query` for a prompt's token ids, hashed with the partition's block size."""
         hashes = self._hash_tokens(self._existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
         return self.query(model_name, tenant_id, hashes)
@@ -725,29 +701,6 @@ class Indexer:
         for pid in sorted(self.partitions):
             if (model_name is None or pid[0] == model_name) and (tenant_id is None or pid[1] == tenant_id):
                 yield self.partitions[pid]
-
-
-def tiered_answer(match: MatchResult, block_size: int) -> dict[str, Any]:
-    """The `/query_by_hash` answer for any match, lower tiers included: what `Indexer.query`
-    answers through its faster device-only path when no rank matched on host or disk."""
-    device, host, disk = match.device, match.host_pinned, match.disk
-    scores: dict[str, dict[str, int]] = {}
-    instances: dict[str, dict[str, Any]] = {}
-    for (instance_id, dp_rank), blocks in sorted(device.items()):
-        scores.setdefault(str(instance_id), {})[str(dp_rank)] = blocks * block_size
-    for key in sorted(device.keys() | host.keys() | disk.keys()):
-        gpu = device.get(key, 0) * block_size
-        cpu = gpu + host.get(key, 0) * block_size
-        on_disk = cpu + disk.get(key, 0) * block_size
-        entry = instances.get(str(key[0]))
-        if entry is None:
-            entry = instances[str(key[0])] = {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
-        entry["dp"][str(key[1])] = gpu
-        entry["gpu"] = max(entry["gpu"], gpu)
-        entry["cpu"] = max(entry["cpu"], cpu)
-        entry["disk"] = max(entry["disk"], on_disk)
-        entry["longest_matched"] = max(entry["gpu"], entry["cpu"], entry["disk"])
-    return {"scores": scores, "frequencies": [], "instances": instances}
 
 
 def _check_partition_name(tenant_id: str) -> None:
