@@ -487,7 +487,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             for block_hash in hashes:
                 refs = expected_refs.setdefault(block_hash, {})
                 refs[index[(worker, rank)]] = refs.get(index[(worker, rank)], 0) + 1
-        assert partition.holders.keys() == expected_refs.keys()
+        assert partition.holders.keys() == expected_refs.keys() == partition.held
         for block_hash, group in partition.holders.items():
             assert block_hash in group.members and group.size == len(group.members)
             assert group.refs == expected_refs[block_hash]
@@ -510,7 +510,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.tracker.free("m", "default", request_id)
         assert all(load.active_decode_blocks == load.active_prefill_tokens == 0 for load in self.tracker.loads())
         for partition in self.tracker.partitions.values():
-            assert partition.holders == {} and not partition.requests
+            assert partition.holders == {} and partition.held == set() and not partition.requests
 
 
 class NoWalkLifecycleMachine(LifecycleMachine):
