@@ -4,8 +4,8 @@ calls a `Service`'s endpoints synchronously from its parser callbacks.
 Why not an ASGI server: per request, uvicorn builds a scope and message dicts, starts a Task and
 runs the app's coroutines, ~70-100 us of a one-core budget in which Dynamo answers a whole
 request. Here a request is parsed in C, routed with one dict lookup, answered by the endpoint's
-`respond(query_string, body)` and written with one `transport.write`, all inside
-`data_received`; pipelined requests are answered in order for the same reason. The app stays an
+`respond(query_string, body)`, all inside `data_received`; pipelined requests are answered in
+order for the same reason (see "Writes" below for when answers are written). The app stays an
 ASGI app too (`Service`), for the test client and for embedding; both paths run the same
 endpoints.
 
@@ -27,6 +27,15 @@ What a server on a shared network needs, and what this one does:
 * **Answers that wait.** An endpoint may answer with a future (a replica waiting for NATS to
   acknowledge a publish). The connection then stops reading, queues the answers of requests
   already parsed behind it, and writes them all in request order once it completes.
+* **Writes.** The first answer of a turn of the event loop is written at once; the answers
+  of the other requests that turn handles are kept until the turn ends, then written with one
+  `transport.write` per connection (`HttpServer.send_all`). Writing to a client whose process
+  sleeps (waiting for its answer) wakes it; on a virtual machine that wake-up is an
+  inter-processor interrupt that costs the writer several microseconds. Written in a burst,
+  the answers find their clients awake. Measured under `python -m bench`'s load (c=64), 7 µs
+  of a 66 µs `/potential_loads` request went to that wake-up; with the burst,
+  `/potential_loads` serves ~18 % more requests and the lifecycle mix ~10 % more. A lone
+  request (c=1) is written at once, as before.
 * **Shutdown.** On SIGTERM/SIGINT the listener closes, idle connections close, requests in
   flight are answered (up to `GRACEFUL_SHUTDOWN_SECS`), then the app's lifespan shutdown runs
   (the indexer's final snapshot) and the process exits with status 0.
@@ -130,6 +139,8 @@ class HttpServer:
         self.loop = asyncio.get_running_loop()
         self.connections: set[HttpConnection] = set()
         self.shutting_down = False
+        self.unsent: list[HttpConnection] = []  # connections holding answers until `send_all`
+        self.in_turn = False  # an answer was written in this turn of the loop: hold the others
         self.date_line = b""
         self._date_second = -1
         self._tick()
@@ -154,6 +165,15 @@ class HttpServer:
             self._date_second = second
             self.date_line = b"date: %s\r\n" % formatdate(second, usegmt=True).encode("ascii")
         self._sweeper = self.loop.call_later(SWEEP_INTERVAL_SECS, self._tick)
+
+    def send_all(self) -> None:
+        """Write what the connections answered during the loop's turn that just ended."""
+        self.in_turn = False
+        unsent = self.unsent
+        if unsent:
+            self.unsent = []
+            for connection in unsent:
+                connection.send_now()
 
     def __call__(self) -> HttpConnection:
         return HttpConnection(self)
@@ -192,7 +212,7 @@ class HttpConnection(asyncio.Protocol):
         "server", "limits", "transport", "parser", "client", "counted", "head_bytes", "reading_head",
         "head_since", "idle_since", "url", "content_type", "content_length", "expect", "trace_id",
         "keep_alive", "http_1_0", "method", "path", "query_string", "endpoint", "series", "body",
-        "body_size", "answered", "started", "paused", "queue", "closing",
+        "body_size", "answered", "started", "paused", "queue", "closing", "unsent",
     )
 
     def __init__(self, server: HttpServer) -> None:
@@ -212,6 +232,7 @@ class HttpConnection(asyncio.Protocol):
         # whether to close once they are written.
         self.queue: deque[Union[bytes, _Waiting]] | None = None
         self.closing = False
+        self.unsent: bytes | None = None  # answers not yet written (see `send`)
         self._reset_request()
 
     def _reset_request(self) -> None:
@@ -267,7 +288,7 @@ class HttpConnection(asyncio.Protocol):
             return
         except httptools.HttpParserError:
             if not self.transport.is_closing():
-                self.transport.write(_GARBAGE)
+                self.send(_GARBAGE)
                 self.close()
             return
         if self.transport.is_closing():
@@ -275,7 +296,7 @@ class HttpConnection(asyncio.Protocol):
         if self.reading_head:
             if self.head_bytes > MAX_REQUEST_HEAD:
                 logger.warning("Request head over %d bytes from %s; closing.", MAX_REQUEST_HEAD, self.client or "a client")
-                self.transport.write(_TOO_LARGE)
+                self.send(_TOO_LARGE)
                 self.close()
             elif self.head_bytes == 0 and self.queue is None:
                 self.idle_since = self.server.loop.time()
@@ -290,6 +311,13 @@ class HttpConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     # --- httptools callbacks --------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        # A head that follows a pipelined request in the same read starts its clock here; on
+        # its own it would not until its next byte arrived, and the client could hold the
+        # connection with half a head until the keep-alive timeout.
+        if self.head_since is None:
+            self.head_since = self.server.loop.time()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -338,7 +366,7 @@ class HttpConnection(asyncio.Protocol):
                 self._answer_early(*failure_answer(refusal))
                 return
             if self.expect is not None and self.expect.lower() == b"100-continue":
-                self.transport.write(_CONTINUE)
+                self.send(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
         if self.answered:
@@ -383,7 +411,7 @@ class HttpConnection(asyncio.Protocol):
         if self.queue is not None:
             self.queue.append(data)
         elif not self.transport.is_closing():
-            self.transport.write(data)
+            self.send(data)
         self._record(status)
 
     def _response(self, status: int, body: bytes, content_type: bytes | None, extra: bytes, keep_alive: bool,
@@ -449,7 +477,7 @@ class HttpConnection(asyncio.Protocol):
                                      entry.method, entry.path, entry.trace_id)
             queue.popleft()
             if not closed:
-                self.transport.write(data)
+                self.send(data)
         self.queue = None
         if self.closing:
             self.close()
@@ -474,7 +502,32 @@ class HttpConnection(asyncio.Protocol):
         else:
             self.keep_alive = False
 
+    def send(self, data: bytes) -> None:
+        """Write `data`: at once if it is the first answer of this turn of the loop, else at
+        the end of the turn (`HttpServer.send_all`), after what this connection sent before;
+        `close` writes what is held first."""
+        server = self.server
+        if not server.in_turn:
+            server.in_turn = True
+            server.loop.call_soon(server.send_all)
+            self.transport.write(data)
+            return
+        unsent = self.unsent
+        if unsent is None:
+            self.unsent = data
+            server.unsent.append(self)
+        else:
+            self.unsent = unsent + data  # pipelined answers: one write for all
+
+    def send_now(self) -> None:
+        unsent = self.unsent
+        if unsent is not None:
+            self.unsent = None
+            if not self.transport.is_closing():
+                self.transport.write(unsent)
+
     def close(self) -> None:
+        self.send_now()
         if not self.transport.is_closing():
             self.transport.close()
 
@@ -486,7 +539,7 @@ class HttpConnection(asyncio.Protocol):
             self.head_since = self.server.loop.time()  # still writing the previous answer: wait for it
             return
         self.limits.head_timeouts += 1
-        self.transport.write(self.limits.timeout_answer())
+        self.send(self.limits.timeout_answer())
         self.close()
 
 
