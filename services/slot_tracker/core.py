@@ -357,12 +357,17 @@ class SlotTracker:
             )
         hashes = tuple(sequence_hashes)
         # A hash repeated inside one request is held once by it: refcounts count requests.
-        distinct = set(hashes)
+        rest = set(hashes)
+        block_count = len(rest)
         holders = partition.holders
-        new = distinct.difference(partition.held)  # set - set: a C pass on stored hash values
         groups: list[Group] = []
-        if len(new) != len(distinct):
-            _cover(holders, distinct - new, groups)
+        _follow(holders, hashes, rest, groups)
+        # What the groups along the request did not cover: mostly new hashes, whose probes miss
+        # at the stored hash values without reading a key.
+        new = rest.difference(partition.held)
+        if len(new) != len(rest):
+            _cover(holders, rest - new, groups)
+        if groups:
             index = slot.index
             for group in groups:
                 refs = group.refs
@@ -384,7 +389,7 @@ class SlotTracker:
         slot.prefill_tokens += new_isl_tokens
         slot.request_count += 1
         partition.requests[request_id] = ActiveRequest(
-            request_id, slot, hashes, len(distinct), groups, new_isl_tokens, now
+            request_id, slot, hashes, block_count, groups, new_isl_tokens, now
         )
 
     def prefill_complete(self, model_name: str, tenant_id: str, request_id: str) -> None:
@@ -594,6 +599,36 @@ def _walk(holders: dict[int, Group], held: set[int]) -> Iterator[tuple[Group, se
         common = members if members <= held else members & held
         held -= common
         yield group, common
+
+
+def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], groups: list[Group]) -> None:
+    """Appends to `groups` the groups of `hashes` in request order, each cut to its part in
+    `rest` (the request's distinct hashes, consumed), for at most `_WALK_STEPS` groups.
+
+    In a chained prompt a group is a run of consecutive hashes (the prefix it shares with other
+    requests, then the rest that the same requests hold), so the hash after a group's part
+    starts the next group: a held prompt costs a dict lookup per group instead of a set probe
+    per hash, and once many hashes are held each such probe is a cache miss on the table and
+    another on the key it compares (in the lifecycle benchmark, 256 probes took 21 us of a
+    52 us /add). The walk stops at the first hash no group holds (the new tail), at one already
+    covered (the hashes are not a chain here) or after `_WALK_STEPS` groups; the caller
+    covers what is left in `rest` exactly.
+    """
+    position, end = 0, len(hashes)
+    for _ in range(_WALK_STEPS):
+        if position >= end:
+            return
+        block_hash = hashes[position]
+        if block_hash not in rest:
+            return
+        group = holders.get(block_hash)
+        if group is None:
+            return
+        members = group.members
+        part = members if members <= rest else members & rest
+        rest -= part
+        groups.append(group if part is members else _split(holders, group, part))
+        position += len(part)
 
 
 def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> None:
