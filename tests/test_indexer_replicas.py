@@ -255,6 +255,10 @@ def test_replicas_killed_and_replaced_under_load_agree_with_a_single_process(tmp
                 feed(fleet_, single, workload, posted, subscribed, rng, 150, GROW)
                 fleet_.kill("C")  # mid-run: the others go on publishing what the engines send
                 feed(fleet_, single, workload, posted, subscribed, rng, 80, SHRINK)
+                # The feed can take less than the 1 s snapshot interval: wait for a snapshot
+                # before starting D, which must start from one.
+                wait_until(lambda: metric(fleet_.services()[0], "dynamo_lite_indexer_replica_snapshot_sequence"),
+                           lambda sequence: sequence > 0, "a snapshot written")
                 d = fleet_.start("D")  # a fresh replica: the newest snapshot, then the stream after it
                 feed(fleet_, single, workload, posted, subscribed, rng, 120, GROW)
                 fleet_.kill("A", signal.SIGTERM)
