@@ -11,6 +11,8 @@ request of that slot holding it leaves. Per partition:
   groups, because `/add` splits a group the request covers only partly; so a prompt prefix shared
   by many requests is one group however long it is, and a request's hashes that no other request
   holds are one more.
+* `held` is the same hashes as a set, for the membership passes of `/add` and `/potential_loads`
+  (see `Partition.held`).
 * per slot, `blocks` is the number of hashes it holds: the sizes of the groups whose refs name
   it, kept as a count because a slot gains or loses whole groups (a set of its hashes cost a
   hash-table operation per hash on every /add and /free, and most of those missed the cache).
@@ -20,13 +22,14 @@ request of that slot holding it leaves. Per partition:
 
 Costs, where set operations over a request's or a query's hashes run in C:
 
-* `/add`: set operations over its hashes, plus Python steps per group it touches: two for a
-  chained prompt (the shared prefix, then its own hashes). A split costs the part moved to the
-  new group and a copy of the group's refs.
+* `/add`: a dedupe of its hashes, then its groups in request order, one dict lookup and one set
+  operation each (two for a chained prompt: the shared prefix, then its own hashes), then one
+  probe of `held` per hash those groups did not cover (`_follow`). A split costs the part moved
+  to the new group and a copy of the group's refs.
 * `/free` and expiry: Python steps per group of the request, and one `del` per hash that no
   request holds any more.
-* `/potential_loads`: one lookup per distinct query hash, Python steps per group it hits and
-  per (distinct holder mask, holding slot), then one row per rank.
+* `/potential_loads`: one probe of `held` per distinct query hash, Python steps per group it hits
+  and per (distinct holder mask, holding slot), then one row per rank.
 * `/loads`: one row per rank.
 * `/output_blocks`: O(1), a difference added to the request's slot.
 
@@ -610,9 +613,9 @@ def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], gr
     starts the next group: a held prompt costs a dict lookup per group instead of a set probe
     per hash, and once many hashes are held each such probe is a cache miss on the table and
     another on the key it compares (in the lifecycle benchmark, 256 probes took 21 us of a
-    52 us /add). The walk stops at the first hash no group holds (the new tail), at one already
-    covered (the hashes are not a chain here) or after `_WALK_STEPS` groups; the caller
-    covers what is left in `rest` exactly.
+    52 us /add). The walk stops at the first hash no group holds (the new tail), after a group
+    the request holds only in part (split off), at a hash already covered (the hashes are not
+    a chain) or after `_WALK_STEPS` groups; the caller covers what is left in `rest` exactly.
     """
     position, end = 0, len(hashes)
     for _ in range(_WALK_STEPS):
@@ -625,10 +628,17 @@ def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], gr
         if group is None:
             return
         members = group.members
-        part = members if members <= rest else members & rest
+        if members <= rest:
+            rest -= members
+            groups.append(group)
+            position += len(members)
+            continue
+        # A part of a group: where a chained prompt leaves the others (its last held group),
+        # or hashes that are no chain. Either way the walk ends here.
+        part = members & rest
         rest -= part
-        groups.append(group if part is members else _split(holders, group, part))
-        position += len(part)
+        groups.append(_split(holders, group, part))
+        return
 
 
 def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> None:
