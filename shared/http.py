@@ -33,7 +33,7 @@ from prometheus_client import generate_latest
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from .errors import (
     MalformedRequest,
@@ -205,8 +205,42 @@ class QueryParams(Mapping[str, str]):
 
 # What an endpoint answers: status, body, and the content type (None: no content-type header).
 Answer = tuple[int, bytes, Union[bytes, None]]
-# ... or, for a handler that returned a coroutine, a future of that answer.
-LaterAnswer = asyncio.Future  # of Answer
+# ... or, for a handler that returned a coroutine, a future of that answer (or of a
+# `StreamAnswer`).
+LaterAnswer = asyncio.Future  # of Answer | StreamAnswer
+# The request headers an endpoint with `wants_headers` gets: (lower-cased name, value) pairs in
+# request order, repeated names kept; the shape of an ASGI scope's "headers".
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamAnswer:
+    """An answer whose body is written as `chunks` yields it (Server-Sent Events, say): the
+    native server sends it with `transfer-encoding: chunked`, one HTTP chunk per non-empty
+    bytes yielded, and waits while the client does not read (the generator is not asked for
+    more meanwhile).
+
+    Return it from `respond` (or let a later answer's future resolve to it). When the client
+    hangs up mid-stream, the generator is closed (`aclose()`, or the cancellation of the task
+    awaiting it): its `finally` is where to abort the work. A generator that has not started
+    has no `finally` to run (a HEAD request, a client gone before the stream began), so set up
+    what must be undone inside the generator. An exception from the generator truncates the
+    body (no terminating chunk) and closes the connection; the client sees an incomplete
+    answer. `headers`: extra raw header lines, each ending in CRLF.
+    """
+
+    status: int
+    content_type: bytes
+    chunks: AsyncIterator[bytes]
+    headers: bytes = b""
+
+
+def find_header(headers: Headers, name: bytes) -> bytes | None:
+    """The value of the first header `name` (lower-case) in `headers`, or None."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
 
 
 def failure_answer(exc: BaseException) -> Answer:
@@ -223,18 +257,43 @@ class DirectEndpoint(abc.ABC):
     calls it straight from its protocol callbacks; `__call__` is the same endpoint for ASGI
     servers and the test client. A non-zero `max_body` means the route takes a JSON body of at
     most that many bytes, which the transport reads and bounds before `respond` sees it.
+
+    `respond` answers with an `Answer`, a future of one (`LaterAnswer`), or a `StreamAnswer`
+    (or a future of one) whose body an async generator yields. An endpoint that needs the
+    request headers sets `wants_headers` (or subclasses `HeadersEndpoint`) and implements
+    `respond_with_headers(query_string, body, headers)` instead.
     """
 
     max_body: int = 0
+    # True: the endpoint needs the request headers, and is called through
+    # `respond_with_headers` instead of `respond` (see `HeadersEndpoint`). The native server
+    # then keeps the headers of every request of its connections; apps without such an
+    # endpoint pay nothing.
+    wants_headers: bool = False
 
     @abc.abstractmethod
-    def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer: ...
+    def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer | StreamAnswer: ...
 
-    def answer(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
+    def respond_with_headers(
+        self, query_string: bytes, body: bytes, headers: Headers
+    ) -> Answer | LaterAnswer | StreamAnswer:
+        """`respond` for an endpoint with `wants_headers`; `headers` as in `Headers`."""
+        return self.respond(query_string, body)
+
+    def answer(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer | StreamAnswer:
         """The answer, or (from a handler that waits for something) a future of it, which
         never fails: a failure is its JSON answer too."""
         try:
             return self.respond(query_string, body)
+        except Exception as exc:  # noqa: BLE001 - every failure must still be a JSON answer
+            return failure_answer(exc)
+
+    def answer_with_headers(
+        self, query_string: bytes, body: bytes, headers: Headers
+    ) -> Answer | LaterAnswer | StreamAnswer:
+        """`answer` through `respond_with_headers`."""
+        try:
+            return self.respond_with_headers(query_string, body, headers)
         except Exception as exc:  # noqa: BLE001 - every failure must still be a JSON answer
             return failure_answer(exc)
 
@@ -249,10 +308,77 @@ class DirectEndpoint(abc.ABC):
                 status, payload, content_type = failure_answer(exc)
                 await send_bytes(send, status, payload, content_type=content_type)
                 return status
-        answer = self.answer(scope.get("query_string", b""), body)
-        status, payload, content_type = answer if type(answer) is tuple else await answer
+        if self.wants_headers:
+            answer = self.answer_with_headers(scope.get("query_string", b""), body, scope["headers"])
+        else:
+            answer = self.answer(scope.get("query_string", b""), body)
+        if type(answer) is not tuple:
+            if type(answer) is not StreamAnswer:
+                answer = await answer  # type: ignore[misc]
+            if type(answer) is StreamAnswer:
+                return await send_stream(send, answer, head=scope["method"] == "HEAD")
+        status, payload, content_type = answer  # type: ignore[misc]
         await send_bytes(send, status, payload, content_type=content_type, head=scope["method"] == "HEAD")
         return status
+
+
+class HeadersEndpoint(DirectEndpoint):
+    """An endpoint that reads request headers: implement `respond_with_headers`; `respond`
+    (a call without a request) sees no headers."""
+
+    wants_headers = True
+
+    @abc.abstractmethod
+    def respond_with_headers(
+        self, query_string: bytes, body: bytes, headers: Headers
+    ) -> Answer | LaterAnswer | StreamAnswer: ...
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer | StreamAnswer:
+        return self.respond_with_headers(query_string, body, [])
+
+
+def _header_pairs(raw: bytes) -> Headers:
+    """Raw header lines (`name: value`, each ending in CRLF) as (lower-cased name, value) pairs."""
+    pairs = []
+    for line in raw.split(b"\r\n"):
+        if line:
+            name, _, value = line.partition(b":")
+            pairs.append((name.strip().lower(), value.strip()))
+    return pairs
+
+
+async def send_stream(send: Send, answer: StreamAnswer, *, head: bool = False) -> int:
+    """Send a `StreamAnswer` through ASGI: the start, one body message per chunk, an empty last
+    one. The generator is closed whatever happens; a client gone (`send` raising `OSError`, as
+    ASGI servers do) is recorded as `DISCONNECTED`, a failing generator propagates (the server
+    then cuts the answer short)."""
+    chunks = answer.chunks
+    headers = [(b"content-type", answer.content_type)] if answer.content_type is not None else []
+    if answer.headers:
+        headers.extend(_header_pairs(answer.headers))
+    try:
+        if not await _sent(send, {"type": "http.response.start", "status": answer.status, "headers": headers}):
+            return DISCONNECTED
+        if not head:
+            async for chunk in chunks:
+                if chunk and not await _sent(send, {"type": "http.response.body", "body": chunk, "more_body": True}):
+                    return DISCONNECTED
+        if not await _sent(send, {"type": "http.response.body", "body": b""}):
+            return DISCONNECTED
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    return answer.status
+
+
+async def _sent(send: Send, message: Message) -> bool:
+    """Send `message`; False when the client is gone (ASGI servers raise an `OSError`)."""
+    try:
+        await send(message)
+    except OSError:
+        return False
+    return True
 
 
 class JsonBodyEndpoint(DirectEndpoint):
@@ -428,6 +554,8 @@ class Service(Starlette):
                 frozenset(route.methods or ()), route.endpoint, self.request_metrics.route(route.path)
             )
         self.unmatched_route = self.request_metrics.route(UNMATCHED_ROUTE)
+        # Whether the native server must keep request headers for some route (`wants_headers`).
+        self.wants_headers = any(entry.endpoint.wants_headers for entry in self._table.values())
         self.access_log: AccessLog | None = None
 
     def endpoint(self, path: str) -> RouteEntry | None:
@@ -471,10 +599,14 @@ class Service(Starlette):
 __all__ = [
     "DEFAULT_MAX_BODY",
     "DirectEndpoint",
+    "Headers",
+    "HeadersEndpoint",
     "JsonBodyEndpoint",
     "JsonQueryEndpoint",
     "QueryParams",
     "Service",
+    "StreamAnswer",
+    "find_header",
     "get",
     "health_route",
     "openapi_route",

@@ -27,6 +27,20 @@ What a server on a shared network needs, and what this one does:
 * **Answers that wait.** An endpoint may answer with a future (a replica waiting for NATS to
   acknowledge a publish). The connection then stops reading, queues the answers of requests
   already parsed behind it, and writes them all in request order once it completes.
+* **Streams.** An endpoint may answer with a `StreamAnswer` (Server-Sent Events), at once or as
+  the result of such a future: only that path knows of streams. Its head goes out with
+  `transfer-encoding: chunked`, then a task (`_pump`) writes each chunk its async generator
+  yields as one HTTP chunk, and `0\r\n\r\n` at the end. Meanwhile the connection's queue stays
+  blocked (answers of pipelined requests wait, in order) and reading paused; the connection
+  then goes on as after any answer. The pump asks the generator for nothing more while the
+  transport is paused (a client that does not read), so a stream holds at most one chunk
+  over the transport's high-water mark. A client that hangs up cancels the pump, which
+  closes the generator (its `finally` runs: how the producer learns to stop). A generator
+  that raises is logged and its connection closed with the chunked body unfinished, which
+  clients see as an error. HTTP/1.0 clients get the body unframed and the connection closed.
+* **Request headers.** Only `on_header`'s few headers are kept per request, unless the app has
+  an endpoint with `wants_headers`: its connections (`_HeadersConnection`) then keep every
+  request's headers and call such endpoints' `respond_with_headers`.
 * **Writes.** The first answer of a turn of the event loop is written at once; the answers
   of the other requests that turn handles are kept until the turn ends, then written with one
   `transport.write` per connection (`HttpServer.send_all`). Writing to a client whose process
@@ -37,7 +51,8 @@ What a server on a shared network needs, and what this one does:
   `/potential_loads` serves ~18 % more requests and the lifecycle mix ~10 % more. A lone
   request (c=1) is written at once, as before.
 * **Shutdown.** On SIGTERM/SIGINT the listener closes, idle connections close, requests in
-  flight are answered (up to `GRACEFUL_SHUTDOWN_SECS`), then the app's lifespan shutdown runs
+  flight are answered and streams finish (up to `GRACEFUL_SHUTDOWN_SECS`, after which the
+  connections left are aborted and their streams closed), then the app's lifespan shutdown runs
   (the indexer's final snapshot) and the process exits with status 0.
 
 `ConnectionLimits` holds the settings and the counters, which `/metrics` reports.
@@ -50,9 +65,10 @@ import logging
 import signal
 import sys
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from email.utils import formatdate
+from functools import partial
 from http import HTTPStatus
 from time import perf_counter, time
 from typing import Final, NamedTuple, Union
@@ -64,10 +80,12 @@ from prometheus_client.registry import Collector
 
 from .http import (
     Answer,
+    Headers,
     LaterAnswer,
     NOT_ALLOWED_BODY,
     NOT_FOUND_BODY,
     Service,
+    StreamAnswer,
     allow_header,
     body_refusal,
     error_body,
@@ -95,6 +113,9 @@ _JSON: Final = b"application/json"
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CLOSE: Final = b"connection: close\r\n"
 _KEEP_ALIVE: Final = b"connection: keep-alive\r\n"
+_CHUNKED: Final = b"transfer-encoding: chunked\r\n"
+_LAST_CHUNK: Final = b"0\r\n\r\n"
+_STREAM_CLOSE_SECS: Final = 1.0  # after a shutdown's aborts, how long closing generators may take
 
 
 def _closing_answer(status: int, message: str) -> bytes:
@@ -143,6 +164,7 @@ class HttpServer:
         self.in_turn = False  # an answer was written in this turn of the loop: hold the others
         self.date_line = b""
         self._date_second = -1
+        self.protocol = _HeadersConnection if app.wants_headers else HttpConnection
         self._tick()
 
     def _tick(self) -> None:
@@ -176,18 +198,23 @@ class HttpServer:
                 connection.send_now()
 
     def __call__(self) -> HttpConnection:
-        return HttpConnection(self)
+        return self.protocol(self)
 
     async def shut_down(self, grace_secs: float = GRACEFUL_SHUTDOWN_SECS) -> None:
-        """Close idle connections now and the others once their request is answered."""
+        """Close idle connections now and the others once their request is answered (or their
+        stream has ended); abort those left after `grace_secs`."""
         self.shutting_down = True
         for connection in list(self.connections):
             connection.close_when_idle()
         deadline = self.loop.time() + grace_secs
         while self.connections and self.loop.time() < deadline:
             await asyncio.sleep(0.02)
+        streams = [connection.stream for connection in self.connections if connection.stream is not None]
         for connection in list(self.connections):
             connection.transport.abort()
+        if streams:
+            # Their `connection_lost` cancels them: give their generators' `finally` a moment.
+            await asyncio.wait(streams, timeout=_STREAM_CLOSE_SECS)
         self._sweeper.cancel()
 
 
@@ -212,7 +239,7 @@ class HttpConnection(asyncio.Protocol):
         "server", "limits", "transport", "parser", "client", "counted", "head_bytes", "reading_head",
         "head_since", "idle_since", "url", "content_type", "content_length", "expect", "trace_id",
         "keep_alive", "http_1_0", "method", "path", "query_string", "endpoint", "series", "body",
-        "body_size", "answered", "started", "paused", "queue", "closing", "unsent",
+        "body_size", "answered", "started", "paused", "queue", "closing", "unsent", "stream", "drained",
     )
 
     def __init__(self, server: HttpServer) -> None:
@@ -233,6 +260,10 @@ class HttpConnection(asyncio.Protocol):
         self.queue: deque[Union[bytes, _Waiting]] | None = None
         self.closing = False
         self.unsent: bytes | None = None  # answers not yet written (see `send`)
+        # The task writing a streamed answer (`_pump`), and the future it awaits while the
+        # transport is paused, which `resume_writing` completes.
+        self.stream: asyncio.Task[int] | None = None
+        self.drained: asyncio.Future[None] | None = None
         self._reset_request()
 
     def _reset_request(self) -> None:
@@ -270,6 +301,8 @@ class HttpConnection(asyncio.Protocol):
             self.limits.open_connections -= 1
             self.counted = False
             self.server.connections.discard(self)
+        if self.stream is not None:
+            self.stream.cancel()  # closes the generator: the producer learns the client left
         if self.series is not None and not self.answered:
             # Left before its body arrived: nobody to answer, but the route saw the request.
             self._record(DISCONNECTED)
@@ -307,6 +340,11 @@ class HttpConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused = False
+        drained = self.drained
+        if drained is not None:
+            self.drained = None
+            if not drained.done():
+                drained.set_result(None)
         if not self.transport.is_closing() and self.queue is None:
             self.transport.resume_reading()
 
@@ -444,10 +482,15 @@ class HttpConnection(asyncio.Protocol):
 
     # --- answers that wait ------------------------------------------------------------------
 
-    def _answer_later(self, future: LaterAnswer) -> None:
+    def _answer_later(self, future: LaterAnswer | StreamAnswer) -> None:
         """Queue this request's answer until `future` completes; stop reading meanwhile, so a
-        pipelining client cannot pile up requests behind it."""
+        pipelining client cannot pile up requests behind it. A `StreamAnswer` given at once is
+        queued as a future already done."""
         self.answered = True
+        if type(future) is StreamAnswer:
+            ready: LaterAnswer = self.server.loop.create_future()
+            ready.set_result(future)
+            future = ready
         if self.queue is None:
             self.queue = deque()
             self.idle_since = None
@@ -457,9 +500,10 @@ class HttpConnection(asyncio.Protocol):
         future.add_done_callback(self._write_ready)
 
     def _write_ready(self, _: object = None) -> None:
-        """Write the queued answers up to the first one still waiting, in request order."""
+        """Write the queued answers up to the first one still waiting (or streaming), in
+        request order."""
         queue = self.queue
-        if queue is None:
+        if queue is None or self.stream is not None:
             return
         closed = self.transport.is_closing()
         while queue:
@@ -469,8 +513,12 @@ class HttpConnection(asyncio.Protocol):
             else:
                 if not entry.future.done():
                     return
-                answer: Answer = entry.future.result()
-                status, body, content_type = answer
+                answer: Answer | StreamAnswer = entry.future.result()
+                if type(answer) is StreamAnswer:
+                    queue.popleft()
+                    self._stream(answer, entry, closed)
+                    return
+                status, body, content_type = answer  # type: ignore[misc]
                 data = self._response(status, body, content_type, b"", entry.keep_alive, entry.http_1_0,
                                       entry.method)
                 self._record_request(status if not closed else DISCONNECTED, entry.started, entry.series,
@@ -492,6 +540,80 @@ class HttpConnection(asyncio.Protocol):
             self.close()
         else:
             self.closing = True
+
+    # --- streams ----------------------------------------------------------------------------
+
+    def _stream(self, answer: StreamAnswer, entry: _Waiting, closed: bool) -> None:
+        """Write the head of a streamed answer now and its body from a task (`_pump`); the
+        queue stays blocked, and reading paused, until the task ends (`_stream_ended`)."""
+        status = answer.status
+        bodiless = status == 204 or status == 304
+        # HTTP/1.0 knows no chunked encoding: the body runs until the connection closes.
+        keep_alive = entry.keep_alive and not entry.http_1_0
+        if not closed:
+            self.send(b"%s%s%s%s%s%s\r\n" % (
+                _STATUS_LINES[status],
+                _CHUNKED if not entry.http_1_0 and not bodiless else b"",
+                b"content-type: %s\r\n" % answer.content_type if answer.content_type is not None else b"",
+                self.server.date_line,
+                b"" if keep_alive else _CLOSE,
+                answer.headers,
+            ))
+        write = not closed and not bodiless and entry.method != "HEAD"
+        pump = self._pump(answer.chunks, entry, status if not closed else DISCONNECTED, write, not entry.http_1_0)
+        self.stream = stream = self.server.loop.create_task(pump)
+        stream.add_done_callback(partial(self._stream_ended, entry, keep_alive))
+
+    async def _pump(self, chunks: AsyncIterator[bytes], entry: _Waiting, status: int, write: bool,
+                    chunked: bool) -> int:
+        """Write what `chunks` yields (when `write`), then close it; the status to record:
+        `status`, or `DISCONNECTED` when the client left, or 500 when the generator failed."""
+        transport = self.transport
+        try:
+            if write:
+                self.send_now()  # the head, if held until the end of the turn
+                if self.paused:
+                    await self._drained()
+                async for chunk in chunks:
+                    if not chunk:
+                        continue
+                    if transport.is_closing():
+                        return DISCONNECTED
+                    transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+                    if self.paused:
+                        await self._drained()
+                if transport.is_closing():
+                    return DISCONNECTED
+                if chunked:
+                    transport.write(_LAST_CHUNK)
+        except Exception:
+            logger.exception("The stream answering %s %s failed; closing its connection.", entry.method, entry.path)
+            self.close()  # the chunked body stays unfinished: the client sees the failure
+            return 500
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    logger.exception("Closing the stream answering %s %s failed.", entry.method, entry.path)
+        return status
+
+    def _drained(self) -> asyncio.Future[None]:
+        """A future `resume_writing` completes: the client does not keep up, so the pump asks
+        the generator for nothing more until it has read."""
+        self.drained = drained = self.server.loop.create_future()
+        return drained
+
+    def _stream_ended(self, entry: _Waiting, keep_alive: bool, stream: asyncio.Task[int]) -> None:
+        """Record the streamed request, then go on with the queue (or close)."""
+        self.stream = None
+        self.drained = None
+        status = DISCONNECTED if stream.cancelled() else stream.result()
+        self._record_request(status, entry.started, entry.series, entry.method, entry.path, entry.trace_id)
+        if not keep_alive:
+            self.close()
+        self._write_ready()
 
     # --- shutdown, timeouts, closing ---------------------------------------------------------
 
@@ -541,6 +663,34 @@ class HttpConnection(asyncio.Protocol):
         self.limits.head_timeouts += 1
         self.send(self.limits.timeout_answer())
         self.close()
+
+
+class _HeadersConnection(HttpConnection):
+    """A connection of an app with an endpoint that `wants_headers`: it keeps every request's
+    headers and calls those endpoints' `respond_with_headers`. A class of its own, so that the
+    connections of other apps do no more per request than before."""
+
+    __slots__ = ("headers",)
+
+    def _reset_request(self) -> None:
+        HttpConnection._reset_request(self)
+        self.headers: Headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        HttpConnection.on_header(self, name, value)
+        self.headers.append((name.lower(), value))
+
+    def on_message_complete(self) -> None:
+        endpoint = self.endpoint
+        if not self.answered and endpoint is not None and endpoint.wants_headers:
+            body = self.body
+            payload = body[0] if len(body) == 1 else b"".join(body)
+            answer = endpoint.answer_with_headers(self.query_string, payload, self.headers)
+            if type(answer) is tuple:
+                self._answer(*answer)
+            else:
+                self._answer_later(answer)  # type: ignore[arg-type]
+        HttpConnection.on_message_complete(self)  # answered above: only resets and closes
 
 
 class ConnectionCollector(Collector):
