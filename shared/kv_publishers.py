@@ -1,7 +1,8 @@
-"""Test support: ZMQ publishers that put the exact bytes of real engines' KV events on the wire.
+"""ZMQ publishers that put the exact bytes of real engines' KV events on the wire.
 
 The indexer has to ingest what inference engines really publish, so these publishers reproduce
-each engine's wire format byte for byte: the payload is encoded from `msgspec.Struct` classes
+each engine's wire format byte for byte. The engine stand-in (`dynamo_lite.mock_engine`)
+publishes its cache's events with them, and the tests drive the indexer with them: the payload is encoded from `msgspec.Struct` classes
 declared with the same options (array_like / omit_defaults / tag / field order / defaults) as the
 engine's own, with `msgspec.msgpack.Encoder()` as the engines use it. The layouts come from:
 
@@ -394,7 +395,11 @@ class EnginePublisher:
         replay: bool = True,
         buffer_steps: int = 10_000,
         context: zmq.Context | None = None,
+        bind: str | None = None,
+        replay_bind: str | None = None,
     ) -> None:
+        """`bind` / `replay_bind`: the addresses to bind, as an engine's `endpoint` and
+        `replay_endpoint` (e.g. `tcp://*:5557`); None binds a free loopback port."""
         self.fmt = fmt
         self.dp_rank = dp_rank
         self.topic = topic
@@ -418,7 +423,7 @@ class EnginePublisher:
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._pub.setsockopt(zmq.SNDHWM, 1_000_000)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self._pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.endpoint = _bind(self._pub, bind)
 
         self.replay_endpoint: str | None = None
         self._router: zmq.Socket | None = None
@@ -429,7 +434,12 @@ class EnginePublisher:
             # As vLLM 0.33: room for a whole replay plus its end marker for a slow reader.
             router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             router.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+            try:
+                self.replay_endpoint = _bind(router, replay_bind)
+            except BaseException:
+                router.close(linger=0)
+                self._pub.close(linger=0)
+                raise
             self._router = router
             self._thread = threading.Thread(
                 target=self._serve_replay, name=f"replay-{fmt.value}-dp{dp_rank}", daemon=True
@@ -563,6 +573,15 @@ class EnginePublisher:
 
     def __repr__(self) -> str:
         return f"EnginePublisher({self.fmt.name}, dp_rank={self.dp_rank}, endpoint={self.endpoint!r})"
+
+
+def _bind(socket: zmq.Socket, address: str | None) -> str:
+    """Bind `socket` to `address` (a free loopback port when None); the address to connect to."""
+    if address is None:
+        return f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
+    socket.bind(address)
+    bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    return bound.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
 
 
 class DpEngine:

@@ -1,7 +1,7 @@
 """Decoding engine KV-event batches (services/indexer/engine_events.py), layout by layout.
 
 The payloads are built the way each engine's msgspec encoder writes them (tests/
-engine_publishers.py reproduces the engines' Structs byte for byte); a few are written out as
+dynamo_lite.kv_publishers reproduces the engines' Structs byte for byte); a few are written out as
 raw bytes from the reference notes, so the decoder is checked against bytes nobody here chose.
 """
 

@@ -1,4 +1,4 @@
-"""Tests of the engine publishers used to drive the indexer (`engine_publishers`).
+"""Tests of the engine publishers used to drive the indexer (`dynamo_lite.kv_publishers`).
 
 The byte-for-byte match with the engines' own structs was checked once against vLLM 0.33.0's and
 SGLang 0.5.23's sources; these tests pin the decoded shapes, the frames and the replay protocol.
@@ -14,7 +14,7 @@ import pytest
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
-from engine_publishers import (  # noqa: E402
+from dynamo_lite.kv_publishers import (  # noqa: E402
     END_SEQ,
     Cleared,
     DpEngine,

@@ -3,7 +3,7 @@
 Every test starts `nats-server -js` on loopback (tests/nats_support.py) and indexer processes
 with `--nats`. The engines are the seeded fleets of tests/fake_engine.py (batches of several
 events under one sequence number, several partitions, lower tiers) and the exact-bytes vLLM
-publishers of tests/engine_publishers.py (restarts at seq 0, dropped messages with replay).
+publishers of dynamo_lite.kv_publishers (shared/kv_publishers.py) (restarts at seq 0, dropped messages with replay).
 
 What they prove: whatever replica a write goes to, and whichever replicas are killed, replaced,
 stopped or lagging meanwhile, every replica ends with the index that a single process without
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import zmq
 
-from engine_publishers import EnginePublisher, Stored, WireFormat
+from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
 from fake_engine import GROW, SHRINK, FakeEngine, Workload, events_document
 from nats_support import NatsServer
 from reference_server import ServerURL, running_server

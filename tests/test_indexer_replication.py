@@ -21,7 +21,7 @@ from dynamo_lite.indexer.jetstream import StreamReplica, StreamSettings
 from dynamo_lite.indexer.listeners import Listeners
 from dynamo_lite.indexer.replication import Batch, Register, Reset, Routed, Unregister
 from dynamo_lite.indexer.state import Indexer
-from engine_publishers import Stored, WireFormat, encode_batch
+from dynamo_lite.kv_publishers import Stored, WireFormat, encode_batch
 
 MODEL = "m"
 BLOCK = 4

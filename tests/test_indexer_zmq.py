@@ -2,7 +2,7 @@
 salt, lost messages with and without replay, engine restarts, malformed batches, many engines.
 
 One indexer process runs for the module (`python -m dynamo_lite.indexer`), and each test drives
-it with publishers that put real engines' bytes on the wire (tests/engine_publishers.py: vLLM
+it with publishers that put real engines' bytes on the wire (dynamo_lite.kv_publishers (shared/kv_publishers.py): vLLM
 0.33, the vLLM layouts before it, SGLang 0.5), registered with `POST /register {endpoint,
 replay_endpoint}` as a user would. Listeners apply batches asynchronously, so checks poll
 `/workers` or a query until the expected state shows (`eventually`), within a deadline.
@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
-from engine_publishers import Cleared, DpEngine, EnginePublisher, Removed, Stored, WireFormat
+from dynamo_lite.kv_publishers import Cleared, DpEngine, EnginePublisher, Removed, Stored, WireFormat
 from reference_server import free_port, running_server
 
 BLOCK = 16
