@@ -32,6 +32,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo_lite.timing import TimingModel
+
 RankKey = tuple[int, int]  # (worker_id, dp_rank)
 RouterEventJson = dict[str, Any]
 
@@ -62,11 +64,17 @@ class FleetConfig:
         """Every (worker_id, dp_rank), sorted; worker ids are 1..workers (0 reads as unset in logs)."""
         return [(worker, rank) for worker in range(1, self.workers + 1) for rank in range(self.dp_size)]
 
+    @property
+    def timing(self) -> TimingModel:
+        """The engines' timing model (shared with the engine stand-in): fixed rates here, a
+        decode step independent of the batch."""
+        return TimingModel.from_rates(self.prefill_tps, self.decode_tps)
+
     def prefill_seconds(self, uncached_tokens: int) -> float:
-        return uncached_tokens / self.prefill_tps
+        return self.timing.prefill_seconds(uncached_tokens)
 
     def decode_seconds(self, output_tokens: int) -> float:
-        return output_tokens / self.decode_tps
+        return self.timing.decode_seconds(output_tokens)
 
 
 class _Block:

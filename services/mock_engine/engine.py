@@ -1,0 +1,295 @@
+"""The engine stand-in's running engine: one step loop per data-parallel rank on the real clock,
+each rank with its own cache, scheduler and KV event publisher.
+
+The rank's `Scheduler` (pure) plans a step; the loop sleeps the step's modelled time, applies
+it, publishes the step's KV events as one batch (as vLLM publishes once per scheduler step) and
+hands each request its new token. All of it runs on the event loop thread, so no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamo_lite.hashing import to_signed
+from dynamo_lite.kv_publishers import EnginePublisher, Event, Removed, Stored, WireFormat
+from dynamo_lite.timing import TimingModel
+
+from .cache import PrefixCache
+from .scheduler import EngineRequest, Output, Scheduler
+
+logger = logging.getLogger("dynamo_lite.mock_engine")
+
+DEFAULT_BUFFER_STEPS = 10_000
+
+
+class KvEventsConfigError(ValueError):
+    """`--kv-events-config` is not what vLLM accepts."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """vLLM's `KVEventsConfig` (the JSON of `--kv-events-config`), the fields a ZMQ publisher reads."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = DEFAULT_BUFFER_STEPS
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> KvEventsConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise KvEventsConfigError(f"--kv-events-config is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise KvEventsConfigError("--kv-events-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise KvEventsConfigError(f"--kv-events-config: unknown field(s) {', '.join(unknown)}")
+        config = cls(**data)
+        if not isinstance(config.enable_kv_cache_events, bool):
+            raise KvEventsConfigError("--kv-events-config: enable_kv_cache_events must be true or false")
+        if config.publisher not in ("zmq", "null"):
+            raise KvEventsConfigError(f"--kv-events-config: publisher {config.publisher!r}: 'zmq' or 'null'")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(config, name), str):
+                raise KvEventsConfigError(f"--kv-events-config: {name} must be a string")
+        if config.replay_endpoint is not None and not isinstance(config.replay_endpoint, str):
+            raise KvEventsConfigError("--kv-events-config: replay_endpoint must be a string or null")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise KvEventsConfigError(f"--kv-events-config: {name} must be a positive integer")
+        return config
+
+    @property
+    def publishes(self) -> bool:
+        """vLLM publishes only with events enabled and the zmq publisher."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def offset_endpoint_port(endpoint: str, rank: int) -> str:
+    """vLLM's `offset_endpoint_port`: rank r of a data-parallel engine binds its tcp port + r
+    (other transports get the rank appended to the path)."""
+    if rank == 0:
+        return endpoint
+    match = re.fullmatch(r"(tcp://.*):(\d+)", endpoint)
+    if match:
+        return f"{match.group(1)}:{int(match.group(2)) + rank}"
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    raise KvEventsConfigError(f"cannot offset the port of endpoint {endpoint!r} for dp rank {rank}")
+
+
+def _sglang_event(event: Event, cache_salt: str | None = None) -> Event:
+    """SGLang publishes signed int64 hashes."""
+    if isinstance(event, Stored):
+        return Stored(
+            block_hashes=[to_signed(h) for h in event.block_hashes],  # type: ignore[arg-type]
+            parent_block_hash=None if event.parent_block_hash is None else to_signed(event.parent_block_hash),  # type: ignore[arg-type]
+            token_ids=event.token_ids, block_size=event.block_size, lora_id=None, medium=event.medium,
+            lora_name=event.lora_name, cache_salt=cache_salt,
+        )
+    if isinstance(event, Removed):
+        return Removed(block_hashes=[to_signed(h) for h in event.block_hashes], medium=event.medium)  # type: ignore[arg-type]
+    return event
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "mock"
+    block_size: int = 16
+    num_blocks: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    data_parallel_size: int = 1
+    timing: TimingModel = field(default_factory=TimingModel)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    kv_events_format: WireFormat = WireFormat.VLLM
+    seed: int = 0
+    hash_seed: str | None = None
+
+
+class RequestStream:
+    """One request's tokens as they come out of its rank's steps."""
+
+    def __init__(self, rank: Rank, request: EngineRequest) -> None:
+        self.rank = rank
+        self.request = request
+        self._outputs: asyncio.Queue[Output] = asyncio.Queue()
+
+    def deliver(self, output: Output) -> None:
+        self._outputs.put_nowait(output)
+
+    async def outputs(self) -> AsyncIterator[Output]:
+        """Each step's output until the request finishes; leaving early aborts the request."""
+        try:
+            while True:
+                output = await self._outputs.get()
+                yield output
+                if output.finished is not None:
+                    return
+        finally:
+            if self.request.finished is None:
+                self.rank.abort(self)
+
+
+class Rank:
+    """One data-parallel rank: cache, scheduler, publisher and step loop."""
+
+    def __init__(self, config: EngineConfig, dp_rank: int, filler: Sequence[int]) -> None:
+        self.config = config
+        self.dp_rank = dp_rank
+        self.cache = PrefixCache(config.num_blocks, config.block_size, hash_seed=config.hash_seed)
+        self._filler = filler
+        self.scheduler = Scheduler(self.cache, config.timing, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens, next_token=self._next_token)
+        self.publisher: EnginePublisher | None = None
+        self.streams: dict[int, RequestStream] = {}  # id(EngineRequest) -> stream
+        self.ttft_observer: Any = None  # set by the app: called with (rank, seconds)
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        events = config.kv_events
+        if events.publishes:
+            self.publisher = EnginePublisher(
+                config.kv_events_format, dp_rank=dp_rank, topic=events.topic.encode(),
+                replay=events.replay_endpoint is not None, buffer_steps=events.buffer_steps,
+                bind=offset_endpoint_port(events.endpoint, dp_rank),
+                replay_bind=None if events.replay_endpoint is None else offset_endpoint_port(events.replay_endpoint, dp_rank),
+            )
+
+    def _next_token(self, request: EngineRequest, index: int) -> int:
+        """Deterministic filler: the same prompt gets the same answer (seeded)."""
+        rng = random.Random(hash((self.config.seed, len(request.prompt_token_ids), request.prompt_token_ids[-1], index)))
+        return self._filler[rng.randrange(len(self._filler))]
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"rank-{self.dp_rank}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self.publisher is not None:
+            self.publisher.close()
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        stream = RequestStream(self, request)
+        self.scheduler.add(request)
+        self.streams[id(request)] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        self.scheduler.abort(stream.request)
+        self.streams.pop(id(stream.request), None)
+        self._publish()
+
+    def reset_prefix_cache(self) -> bool:
+        cleared = self.cache.clear()
+        self._publish()
+        return cleared
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        scheduler = self.scheduler
+        while True:
+            if not scheduler.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+            step = scheduler.plan()
+            if step is None:
+                # Waiting requests that cannot be admitted yet and nothing running cannot
+                # happen (an empty pool admits any prompt the API accepts); idle briefly.
+                await asyncio.sleep(0.001)
+                continue
+            if step.seconds > 0:
+                await asyncio.sleep(step.seconds)
+            else:
+                await asyncio.sleep(0)
+            self.steps += 1
+            outputs = scheduler.finish(step, loop.time())
+            self._publish()
+            for output in outputs:
+                request = output.request
+                stream = self.streams.get(id(request))
+                if stream is None:
+                    continue
+                if output.token_id is not None and len(request.output_token_ids) == 1 and self.ttft_observer:
+                    self.ttft_observer(self.dp_rank, loop.time() - request.arrival)
+                if output.finished is not None:
+                    del self.streams[id(request)]
+                stream.deliver(output)
+
+    def _publish(self) -> None:
+        events = self.cache.drain_events()
+        if not events or self.publisher is None:
+            return
+        if self.config.kv_events_format is WireFormat.SGLANG:
+            events = [_sglang_event(event) for event in events]
+        self.publisher.publish(events, ts=time.time())
+
+
+class MockEngine:
+    """Every rank of one engine process."""
+
+    def __init__(self, config: EngineConfig, filler: Sequence[int]) -> None:
+        if config.data_parallel_size < 1:
+            raise ValueError("--data-parallel-size must be at least 1")
+        self.config = config
+        self.ranks: list[Rank] = []
+        try:
+            for dp_rank in range(config.data_parallel_size):
+                self.ranks.append(Rank(config, dp_rank, filler))
+        except BaseException:
+            for rank in self.ranks:
+                if rank.publisher is not None:
+                    rank.publisher.close()
+            raise
+
+    def start(self) -> None:
+        for rank in self.ranks:
+            rank.start()
+
+    async def stop(self) -> None:
+        for rank in self.ranks:
+            await rank.stop()
+
+    def choose_rank(self, requested: int | None) -> Rank:
+        """The rank a request asked for (vLLM's `X-data-parallel-rank` header), else the least
+        loaded one, as vLLM's internal balancer scores it."""
+        if requested is not None:
+            return self.ranks[requested]
+        return min(self.ranks, key=lambda rank: (rank.scheduler.load(), rank.dp_rank))
+
+    def submit(self, request: EngineRequest, dp_rank: int | None = None) -> RequestStream:
+        return self.choose_rank(dp_rank).submit(request)
+
+
+__all__ = [
+    "EngineConfig",
+    "KvEventsConfig",
+    "KvEventsConfigError",
+    "MockEngine",
+    "Rank",
+    "RequestStream",
+    "offset_endpoint_port",
+]
