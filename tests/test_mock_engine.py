@@ -38,6 +38,8 @@ def start_engine(*flags: str, events: bool = True, replay: bool = True, dp: int 
     argv = ["--speedup-ratio", "50", "--block-size", str(BLOCK), *flags]
     if events:
         argv += ["--kv-events-config", kv_events_config(event_port, replay_port if replay else None)]
+    else:
+        argv += ["--kv-events-config", '{"enable_kv_cache_events": false}']
     if dp > 1:
         argv += ["--data-parallel-size", str(dp)]
     return running_service("mock_engine", *argv), event_port, replay_port

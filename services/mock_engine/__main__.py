@@ -16,6 +16,10 @@ from .app import create_app
 from .engine import EngineConfig, KvEventsConfig, KvEventsConfigError
 
 DEFAULT_PORT = 8000
+# On by default, where vLLM's own default endpoint is (and the replay socket next to it), so
+# `--workers 1=tcp://127.0.0.1:5557+tcp://127.0.0.1:5558` on the indexer just works.
+DEFAULT_KV_EVENTS_CONFIG = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+                            '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}')
 
 
 def _positive_int(text: str) -> int:
@@ -70,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     timing.add_argument("--speedup-ratio", type=positive_float, default=1.0,
                         help="run this many times faster than the model says (tests, demos)")
     events = parser.add_argument_group("KV events")
-    events.add_argument("--kv-events-config", default=None,
-                        help='vLLM\'s JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq", '
-                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; '
-                        "default: no events")
+    events.add_argument("--kv-events-config", default=DEFAULT_KV_EVENTS_CONFIG,
+                        help="vLLM's JSON (fields enable_kv_cache_events, publisher, endpoint, replay_endpoint, "
+                        "buffer_steps, hwm, max_queue_size, topic); the default publishes as Dynamo's vLLM worker "
+                        "does out of the box; '{\"enable_kv_cache_events\": false}' publishes nothing")
     events.add_argument("--kv-events-format", choices=["vllm", "sglang"], default="vllm",
                         help="vllm: vLLM 0.33's byte layout; sglang: SGLang 0.5's (signed hashes, attn_dp_rank)")
     events.add_argument("--prefix-caching-hash-seed", default=None,
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("dynamo_lite.mock_engine")
     try:
-        kv_events = KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else KvEventsConfig()
+        kv_events = KvEventsConfig.parse(args.kv_events_config)
     except KvEventsConfigError as exc:
         parser.error(str(exc))
     try:
