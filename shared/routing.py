@@ -28,7 +28,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from .client import AsyncIndexerClient, AsyncSlotTrackerClient, PotentialLoad, ServiceCallError
@@ -65,12 +65,18 @@ class RouterConfig:
     # the first threshold or its active prefill tokens exceed the second (None: no limit).
     active_decode_blocks_threshold: int | None = None
     active_prefill_tokens_threshold: int | None = None
+    # ... or, as Dynamo's --active-prefill-tokens-threshold-frac, when its active prefill tokens
+    # exceed this fraction of the rank's max_num_batched_tokens (`score_ranks`' `capacities`).
+    active_prefill_tokens_threshold_frac: float | None = None
 
     def __post_init__(self) -> None:
         if self.overlap_score_weight < 0 or not math.isfinite(self.overlap_score_weight):
             raise ValueError("overlap_score_weight must be a finite number >= 0")
         if self.router_temperature < 0 or not math.isfinite(self.router_temperature):
             raise ValueError("router_temperature must be a finite number >= 0")
+        frac = self.active_prefill_tokens_threshold_frac
+        if frac is not None and (frac < 0 or not math.isfinite(frac)):
+            raise ValueError("active_prefill_tokens_threshold_frac must be a finite number >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +106,15 @@ def score_ranks(
     isl_tokens: int,
     block_size: int,
     config: RouterConfig,
+    capacities: Mapping[tuple[int, int], int] | None = None,
 ) -> list[RankCost]:
     """Cost of each rank, given `/potential_loads` answered with `new_isl_tokens=0` and the
     indexer's matched tokens per (worker, rank). A rank unknown to the indexer has nothing
-    cached; ranks only the indexer knows cannot be booked and are not candidates."""
+    cached; ranks only the indexer knows cannot be booked and are not candidates.
+
+    `capacities`: each rank's max_num_batched_tokens, for the fractional prefill threshold (a
+    rank without one is judged by the absolute thresholds only)."""
+    frac = config.active_prefill_tokens_threshold_frac
     costs = []
     for load in potential_loads:
         rank = (load.worker_id, load.dp_rank)
@@ -118,6 +129,9 @@ def score_ranks(
         ) or (
             config.active_prefill_tokens_threshold is not None
             and active_prefill > config.active_prefill_tokens_threshold
+        ) or (
+            frac is not None and capacities is not None and rank in capacities
+            and active_prefill > frac * capacities[rank]
         )
         cost = config.overlap_score_weight * prefill_blocks + decode_blocks
         costs.append(RankCost(load.worker_id, load.dp_rank, cached, prefill_tokens, prefill_blocks,

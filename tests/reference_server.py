@@ -26,6 +26,7 @@ import errno
 import fcntl
 import os
 import shutil
+import random
 import signal
 import socket
 import subprocess
@@ -212,8 +213,29 @@ def _file_lock(path: Path, *, timeout: float) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port that is currently free on all IPv4 interfaces (the reference binds 0.0.0.0)."""
+    """A TCP port that is currently free on all IPv4 interfaces (the reference binds 0.0.0.0).
+
+    Chosen below the kernel's ephemeral range: a port from that range (what binding port 0
+    hands out) can be taken by any outgoing connection between this call and the service's
+    bind, which made multi-process tests fail now and then ("port already in use")."""
+    low, _ = _ephemeral_range()
+    candidates = list(range(10_000, low)) if low > 11_000 else []
+    for port in random.sample(candidates, min(len(candidates), 50)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("0.0.0.0", 0))
         return sock.getsockname()[1]
