@@ -1,0 +1,145 @@
+"""`python -m dynamo_lite.epp`: the Envoy endpoint picker (GIE Endpoint Picker Protocol over
+ext_proc gRPC) that routes each request with the slot tracker and the indexer."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from dynamo_lite.cli import (
+    configure_logging,
+    non_negative_float,
+    non_negative_int,
+    parse_args,
+    positive_float,
+    serve,
+    service_parser,
+)
+from dynamo_lite.routing import RouterConfig
+
+from .app import DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EppConfig, create_app
+from .picker import DEFAULT_FALLBACKS, DEFAULT_PRIORITY_HEADER, PickerSettings
+from .queue import QueuePolicy
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port")
+    return value
+
+
+def _queue_threshold(text: str) -> float | None:
+    if text.lower() in ("none", "off", ""):
+        return None
+    return positive_float(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = service_parser(
+        "python -m dynamo_lite.epp",
+        "Envoy endpoint picker: answers Envoy's ext_proc stream with the engine that should serve each "
+        "LLM request, by KV cache overlap (indexer) and load (slot tracker), and books the request there.",
+        DEFAULT_GRPC_PORT,
+    )
+    for action in parser._actions:  # the shared --port is the gRPC one here, as GIE's picker
+        if action.dest == "port":
+            action.help = ("gRPC port Envoy's ext_proc filter calls: ext_proc and gRPC health (liveness, "
+                           "readiness, the ExternalProcessor service)")
+        if action.dest == "host":
+            action.help = "address both the gRPC and the HTTP side bind (no authentication: a trusted network)"
+    parser.add_argument("--metrics-port", type=_port, default=DEFAULT_METRICS_PORT,
+                        help="HTTP port of /metrics, /health, /ready, /pool and POST /busy_threshold")
+    parser.add_argument("--cert", default=None, help="PEM certificate: serve gRPC over TLS (with --key)")
+    parser.add_argument("--key", default=None, help="PEM private key of --cert")
+    services = parser.add_argument_group("the services and the pool")
+    services.add_argument("--pool", required=False, default=None, type=Path,
+                          help="JSON or YAML list of endpoints {address, worker_id, dp_rank, model, block_size, "
+                          "kv_events_endpoint?, replay_endpoint?, max_num_batched_tokens?, lora_names?}; re-read "
+                          "on change and on SIGHUP (required)")
+    services.add_argument("--slot-tracker", default="http://127.0.0.1:8091", help="slot tracker base URL")
+    services.add_argument("--indexer", default="http://127.0.0.1:8090", help="indexer base URL")
+    services.add_argument("--tokenizer", default=None,
+                          help="tokenizer directory (tokenizer.json + tokenizer_config.json); default: the "
+                          "engine stand-in's shipped tokenizer")
+    services.add_argument("--render-url", default=None,
+                          help="tokenize with vLLM's render endpoints at this base URL instead of locally")
+    services.add_argument("--pool-poll-secs", type=positive_float, default=1.0,
+                          help="how often the pool file is checked for changes (and unregistered endpoints retried)")
+    routing = parser.add_argument_group("routing (Dynamo's KV router cost and busy thresholds)")
+    routing.add_argument("--overlap-score-weight", "--router-kv-overlap-score-weight", dest="overlap_score_weight",
+                         type=non_negative_float, default=1.0,
+                         help="cost = weight * prefill_blocks + decode_blocks; 0 ignores the cache")
+    routing.add_argument("--router-temperature", type=non_negative_float, default=0.0,
+                         help="0: the cheapest rank; higher: softmax sampling over normalised costs")
+    routing.add_argument("--active-decode-blocks-threshold", type=non_negative_int, default=None,
+                         help="a rank whose decode blocks with this request would exceed this is busy")
+    routing.add_argument("--active-prefill-tokens-threshold", type=non_negative_int, default=None,
+                         help="a rank with more active prefill tokens than this is busy")
+    routing.add_argument("--active-prefill-tokens-threshold-frac", type=non_negative_float, default=None,
+                         help="... or more than this fraction of its max_num_batched_tokens")
+    routing.add_argument("--fallbacks", type=non_negative_int, default=DEFAULT_FALLBACKS,
+                         help="next best endpoints handed to Envoy after the pick")
+    routing.add_argument("--seed", type=int, default=None, help="seed of tie-breaking and sampling")
+    queue = parser.add_argument_group("queue (when every candidate is busy)")
+    queue.add_argument("--router-queue-threshold", type=_queue_threshold, default=2.0,
+                       help="hold requests while every candidate's active prefill exceeds this fraction of its "
+                       "max_num_batched_tokens (or it is busy); 'none': answer 429 at once instead")
+    queue.add_argument("--router-queue-policy", choices=[policy.value for policy in QueuePolicy], default="fcfs",
+                       help="fcfs: by (priority-adjusted) arrival, best tail TTFT; wspt: short and high-priority "
+                       "first, best mean TTFT")
+    queue.add_argument("--queue-max-wait-secs", type=positive_float, default=30.0,
+                       help="a request waiting longer is answered 429 (dropped reason queue-timeout)")
+    queue.add_argument("--queue-max-size", type=non_negative_int, default=1024,
+                       help="requests beyond this many waiting are answered 429 (queue-full)")
+    queue.add_argument("--priority-header", default=DEFAULT_PRIORITY_HEADER,
+                       help="request header with a priority, in seconds a request may jump ahead in the queue "
+                       "(Dynamo's latency_sensitivity)")
+    parser.add_argument("--shutdown-grace-secs", type=non_negative_float, default=30.0,
+                        help="on SIGTERM, how long streams in flight may take to finish")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    if args.pool is None:
+        parser.error("--pool FILE is required (a JSON or YAML list of the engines to route to)")
+    if (args.cert is None) != (args.key is None):
+        parser.error("--cert and --key go together")
+    configure_logging(args.log_level, args.log_format)
+    try:
+        router = RouterConfig(
+            overlap_score_weight=args.overlap_score_weight, router_temperature=args.router_temperature,
+            active_decode_blocks_threshold=args.active_decode_blocks_threshold,
+            active_prefill_tokens_threshold=args.active_prefill_tokens_threshold,
+            active_prefill_tokens_threshold_frac=args.active_prefill_tokens_threshold_frac,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    settings = PickerSettings(
+        router=router, queue_threshold=args.router_queue_threshold,
+        queue_policy=QueuePolicy(args.router_queue_policy), queue_max_wait_secs=args.queue_max_wait_secs,
+        queue_max_size=args.queue_max_size, priority_header=args.priority_header.lower(), fallbacks=args.fallbacks,
+        seed=args.seed,
+    )
+    config = EppConfig(
+        pool_file=args.pool, slot_tracker_url=args.slot_tracker, indexer_url=args.indexer, tokenizer=args.tokenizer,
+        render_url=args.render_url, grpc_host=args.host, grpc_port=args.port, cert=args.cert, key=args.key,
+        picker=settings, pool_poll_secs=args.pool_poll_secs, shutdown_grace_secs=args.shutdown_grace_secs,
+    )
+    logging.getLogger("dynamo_lite.epp").info(
+        "endpoint picker: gRPC on %s:%d%s, HTTP on port %d, pool %s, slot tracker %s, indexer %s",
+        args.host, args.port, " (TLS)" if args.cert else "", args.metrics_port, args.pool,
+        args.slot_tracker, args.indexer)
+    args.port = args.metrics_port  # what `serve` binds: the HTTP side
+    serve(create_app(config), args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The endpoint picker process: the gRPC ext_proc server Envoy asks, and an HTTP side for
+operations (`/health`, `/ready`, `/metrics`, `/busy_threshold`, `/pool`).
+
+Both run on one event loop. The HTTP app's lifespan starts everything: the two service clients,
+the pool watcher (which registers the pool with both services and re-reads the file on change
+or SIGHUP), the picker and the gRPC server. At shutdown the gRPC server stops taking streams
+and lets the ones in flight finish (their answers stream to the end and are freed), then the
+picker's bookkeeping calls are awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.routing import Route
+
+from dynamo_lite import http
+from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+from dynamo_lite.errors import InvalidArgument
+from dynamo_lite.http import Answer
+from dynamo_lite.tokenizer import Tokenizer
+
+from .grpc_server import EppServer
+from .metrics import EppMetrics
+from .picker import KvPicker, PickerSettings
+from .pool import PoolRegistrar, PoolWatcher
+from .prompt import PromptReader
+
+logger = logging.getLogger("dynamo_lite.epp")
+
+DEFAULT_GRPC_PORT = 9002
+DEFAULT_METRICS_PORT = 9003
+SERVICE_TIMEOUT_SECS = 2.0
+THRESHOLDS = ("active_decode_blocks_threshold", "active_prefill_tokens_threshold",
+              "active_prefill_tokens_threshold_frac")
+
+
+@dataclass(frozen=True)
+class EppConfig:
+    pool_file: Path
+    slot_tracker_url: str = "http://127.0.0.1:8091"
+    indexer_url: str = "http://127.0.0.1:8090"
+    tokenizer: str | None = None  # None: the engine stand-in's shipped tokenizer
+    render_url: str | None = None
+    grpc_host: str = "0.0.0.0"
+    grpc_port: int = DEFAULT_GRPC_PORT
+    cert: str | None = None
+    key: str | None = None
+    picker: PickerSettings = field(default_factory=PickerSettings)
+    pool_poll_secs: float = 1.0
+    shutdown_grace_secs: float = 30.0
+
+
+class BusyThresholdEndpoint(http.DirectEndpoint):
+    """`POST /busy_threshold`: change busy thresholds at run time (Dynamo's frontend has the same
+    route): `{"active_decode_blocks_threshold": 512}` sets one, a null turns one off, `{}`
+    changes nothing; the answer is the thresholds in force."""
+
+    max_body = 64 * 1024
+
+    def __init__(self, holder: dict[str, Any]) -> None:
+        self.holder = holder
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        picker: KvPicker | None = self.holder.get("picker")
+        if picker is None:
+            return 503, http.error_body("starting"), b"application/json"
+        changes = http.decode_json(body)
+        if not isinstance(changes, dict):
+            raise InvalidArgument("the body must be an object naming thresholds to change")
+        if changes:
+            unknown = sorted(set(changes) - set(THRESHOLDS))
+            if unknown:
+                raise InvalidArgument(f"unknown threshold(s) {', '.join(unknown)}; known: {', '.join(THRESHOLDS)}")
+            for name, value in changes.items():
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                    raise InvalidArgument(f"{name} must be a number >= 0 or null")
+                if name != "active_prefill_tokens_threshold_frac" and value is not None and value != int(value):
+                    raise InvalidArgument(f"{name} must be an integer")
+            picker.set_thresholds(**{name: (value if value is None or name.endswith("frac") else int(value))
+                                     for name, value in changes.items()})
+            logger.info("busy thresholds changed: %s", changes)
+        config = picker.router_config
+        return 200, orjson.dumps({name: getattr(config, name) for name in THRESHOLDS}), b"application/json"
+
+
+class PoolEndpointList(http.DirectEndpoint):
+    """`GET /pool`: the endpoints in force and whether both services know them."""
+
+    def __init__(self, holder: dict[str, Any]) -> None:
+        self.holder = holder
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        watcher: PoolWatcher | None = self.holder.get("watcher")
+        if watcher is None:
+            return 503, http.error_body("starting"), b"application/json"
+        endpoints = [asdict(endpoint) for endpoint in watcher.pool]
+        return 200, orjson.dumps({"ready": watcher.ready, "endpoints": endpoints}), b"application/json"
+
+
+def create_app(config: EppConfig) -> http.Service:
+    holder: dict[str, Any] = {}
+    metrics_holder: dict[str, EppMetrics] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: http.Service) -> AsyncIterator[None]:
+        tokenizer = Tokenizer.load(config.tokenizer) if config.render_url is None or config.tokenizer else None
+        prompts = PromptReader(tokenizer=tokenizer, render_url=config.render_url)
+        slot_tracker = AsyncSlotTrackerClient(config.slot_tracker_url, timeout=SERVICE_TIMEOUT_SECS)
+        indexer = AsyncIndexerClient(config.indexer_url, timeout=SERVICE_TIMEOUT_SECS)
+        registrar = PoolRegistrar(slot_tracker, indexer)
+        watcher = PoolWatcher(config.pool_file, registrar, interval=config.pool_poll_secs)
+        picker = KvPicker(pool=watcher.pool, slot_tracker=slot_tracker, indexer=indexer, prompts=prompts,
+                          metrics=metrics_holder["metrics"], settings=config.picker)
+        watcher.on_change.append(picker.set_pool)
+        holder.update(picker=picker, watcher=watcher)
+        app.state.not_ready = lambda: None if watcher.ready else (
+            "the pool is not registered with both services yet (see the log)")
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, watcher.reload)
+        watch = loop.create_task(watcher.run(), name="pool-watcher")
+        server = EppServer(picker, host=config.grpc_host, port=config.grpc_port, cert=config.cert, key=config.key,
+                           ready=lambda: watcher.ready)
+        try:
+            await server.start()
+        except Exception as exc:
+            watch.cancel()
+            raise RuntimeError(f"cannot serve gRPC on {config.grpc_host}:{config.grpc_port}: {exc}") from exc
+        try:
+            yield
+        finally:
+            logger.info("stopping: finishing the streams in flight (up to %.0f s)", config.shutdown_grace_secs)
+            await server.stop(config.shutdown_grace_secs)
+            await picker.settle()
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            loop.remove_signal_handler(signal.SIGHUP)
+            await picker.aclose()
+            await slot_tracker.aclose()
+            await indexer.aclose()
+
+    app = http.Service(
+        routes=[
+            http.health_route(),
+            Route("/busy_threshold", BusyThresholdEndpoint(holder), methods=["POST"]),
+            Route("/pool", PoolEndpointList(holder), methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    metrics_holder["metrics"] = EppMetrics(app.metrics_registry)
+    app.state.holder = holder
+    return app
+
+
+__all__ = ["DEFAULT_GRPC_PORT", "DEFAULT_METRICS_PORT", "EppConfig", "create_app"]

