@@ -42,9 +42,38 @@ def vllm_batch(worker_id: int, seq: int, hashes: list[int]) -> Batch:
     return Batch(MODEL, "default", BLOCK, worker_id, 0, seq, payload)
 
 
+def _canonical_dump(dump: dict[str, Any]) -> dict[str, Any]:
+    """A dump as sets of (rank, parent, block) edges: two equal indexes may list their chains in
+    different orders (a tree's children come in insertion order, and a replica loaded from a
+    snapshot inserted them in the snapshot's order), which renumbers the dump's event ids too."""
+    canonical = {}
+    for key, partition in dump.items():
+        edges = set()
+        for item in partition.get("events", []):
+            event = item["event"]
+            stored = event["data"].get("stored")
+            if stored is None:
+                edges.add((item["worker_id"], item["storage_tier"], event["dp_rank"], "other", orjson.dumps(event["data"])))
+                continue
+            parent = stored["parent_hash"]
+            for block in stored["blocks"]:
+                edges.add((item["worker_id"], item["storage_tier"], event["dp_rank"], parent, block["block_hash"],
+                           block["tokens_hash"]))
+                parent = block["block_hash"]
+        approximations = set()
+        for chain in partition.get("approximations", []):
+            parent = chain["parent_hash"]
+            for block in chain["blocks"]:
+                approximations.add((chain["worker_id"], chain["dp_rank"], parent, block["block_hash"],
+                                    block["tokens_hash"], block["expires_at"]))
+                parent = block["block_hash"]
+        canonical[key] = (partition["block_size"], frozenset(edges), frozenset(approximations))
+    return canonical
+
+
 def state_of(indexer: Indexer) -> Any:
     """Everything a replica answers with, in comparable form."""
-    return (orjson.loads(orjson.dumps(indexer.dump())), indexer.rank_states(),
+    return (_canonical_dump(orjson.loads(orjson.dumps(indexer.dump()))), indexer.rank_states(),
             [(w.instance_id, [(r.dp_rank, r.source, r.registered, r.blocks, r.approximate_blocks, r.last_event_id)
                               for r in w.ranks]) for w in indexer.workers()])
 
