@@ -136,6 +136,11 @@ def test_the_subset_hint_is_honoured(gateway: GatewayStack) -> None:
         assert refused.status_code == 503 and "error" in refused.json()
 
 
+def test_requests_without_body_go_to_any_engine(gateway: GatewayStack) -> None:
+    models = httpx.get(gateway.url + "/v1/models", timeout=30)
+    assert models.status_code == 200 and [card["id"] for card in models.json()["data"]] == [MODEL]
+
+
 def test_errors_reach_the_client_as_documented(gateway: GatewayStack) -> None:
     no_model = httpx.post(gateway.url + CHAT, json={"messages": [SYSTEM]}, timeout=30)
     assert no_model.status_code == 400 and no_model.json()["error"] == "model not found in request body"

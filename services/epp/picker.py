@@ -44,7 +44,7 @@ from .booking import Booking, BookingTarget, InFlight
 from .metrics import EppMetrics
 from .pool import PoolEndpoint
 from .prompt import PromptReader, parse_body
-from .protocol import Pick, PickError, RequestInfo
+from .protocol import NullTracker, Pick, PickError, RequestInfo
 from .queue import AdmissionQueue, QueuedRequest, QueuePolicy, QueueRefused, RequestQueue
 
 logger = logging.getLogger("dynamo_lite.epp")
@@ -158,6 +158,8 @@ class KvPicker:
         return pick
 
     async def _pick(self, request: RequestInfo) -> Pick:
+        if not request.body:
+            return self._pick_without_body(request)
         data = parse_body(request.body)
         model = data["model"]
         candidates = self._candidates(model, request.subset)
@@ -207,6 +209,21 @@ class KvPicker:
             if queued:
                 # Booked (or refused): the queue may release the next request.
                 self._queue.admitted(request.request_id)
+
+    def _pick_without_body(self, request: RequestInfo) -> Pick:
+        """A request without body (`GET /v1/models`, `/health`): no prompt, no model to match,
+        nothing to book; any endpoint of the pool (within the subset hint) can answer it."""
+        addresses = list(dict.fromkeys(endpoint.address for endpoint in self.pool))
+        if request.subset is not None:
+            allowed = set(request.subset)
+            addresses = [address for address in addresses if address in allowed]
+        if not addresses:
+            raise PickError(503, "no endpoint to send the request to")
+        start = next(self._round_robin) % len(addresses)
+        ordered = addresses[start:] + addresses[:start]
+        self.metrics.decisions.labels("no_body").inc()
+        return Pick(endpoints=ordered[:self.settings.fallbacks + 1], headers={"x-request-id": request.request_id},
+                    tracker=NullTracker())
 
     def _candidates(self, model: str, subset: tuple[str, ...] | None) -> list[PoolEndpoint]:
         serving = [endpoint for endpoint in self.pool if endpoint.model == model or model in endpoint.lora_names]
