@@ -275,3 +275,39 @@ def test_sglang_layout_reaches_the_indexer() -> None:
         prompt = list(range(700, 760))
         httpx.post(url + "/v1/completions", json={"model": "mock", "prompt": prompt, "max_tokens": 1})
         wait_for(lambda: overlap(indexer, prompt).get("5", {}).get("0") == 48, "SGLang-layout blocks indexed")
+
+
+def test_ttft_on_the_real_clock_follows_the_cache_and_the_batch() -> None:
+    """The timing model on the wall clock, with margins wide enough for a busy machine: 1 ms per
+    uncached prompt token makes a 400-token prompt take 0.4 s to its first token, and its repeat
+    (all but the last block cached) about 0.016 s."""
+    context, _, _ = start_engine("--prefill-secs-per-token", "0.05", "--decode-step-secs", "0.5",
+                                 "--decode-secs-per-running", "0.5", events=False)  # / speedup 50
+    with context as url:
+        body = {"model": "mock", "prompt": list(range(1000, 1400)), "max_tokens": 1, "stream": True}
+
+        def ttft(request: dict) -> float:
+            started = time.monotonic()
+            with httpx.stream("POST", url + "/v1/completions", json=request, timeout=30) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith("data: {"):
+                        return time.monotonic() - started
+            raise AssertionError("no token")
+
+        cold, warm = ttft(body), ttft(body)
+        assert cold > 0.35 and warm < cold / 3, (cold, warm)
+        # Ten long answers running: a decode step takes 10 ms + 10 ms per further running request
+        # (100 ms), and the probe's 40 ms prefill shares a step with them.
+        streams = [httpx.stream("POST", url + "/v1/completions", timeout=30,
+                                json={"model": "mock", "prompt": [7, i], "max_tokens": 500, "stream": True})
+                   for i in range(10)]
+        answers = [stream.__enter__() for stream in streams]
+        try:
+            for answer in answers:
+                next(answer.iter_lines())
+            loaded = ttft({**body, "prompt": list(range(2000, 2040))})
+            idle_estimate = 40 * 0.001
+            assert loaded > idle_estimate + 0.005, loaded
+        finally:
+            for stream in streams:
+                stream.__exit__(None, None, None)
