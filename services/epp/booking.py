@@ -129,6 +129,8 @@ class Booking:
         self._prompt_blocks = len(sequence_hashes)
         self._non_stream_body: list[bytes] | None = None
         self._calls: asyncio.Task[None] | None = None
+        self._blocks_queued = False  # an /output_blocks call waits in the queue
+        self._blocks_sent = 0
         in_flight.add(target.rank, new_prefill_tokens, self._prompt_blocks)
         metrics.in_flight.inc()
         if slot_tracker is not None:
@@ -184,7 +186,11 @@ class Booking:
         if blocks > self.output_blocks:
             self.in_flight.grow(self.target.rank, blocks - self.output_blocks)
             self.output_blocks = blocks
-            if self.slot_tracker is not None:
+            if self.slot_tracker is not None and not self._blocks_queued:
+                # One call in the queue at a time, sending the count when it goes out: the count
+                # is absolute, so blocks that filled meanwhile ride along (a fast stream fills
+                # several blocks while a call is on its way).
+                self._blocks_queued = True
                 self._then(self._output_blocks)
 
     def end(self, reason: str) -> None:
@@ -248,7 +254,11 @@ class Booking:
     async def _output_blocks(self) -> None:
         tracker = self.slot_tracker
         assert tracker is not None
+        self._blocks_queued = False
         count = self.output_blocks
+        if count <= self._blocks_sent or self.ended is not None:
+            return
+        self._blocks_sent = count
         await self._retrying("output_blocks", lambda: tracker.output_blocks(
             self.model, self.request_id, count, tenant_id=self.tenant_id), ok_statuses=(404, 409))
 

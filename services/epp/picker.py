@@ -204,7 +204,10 @@ class KvPicker:
                               key=lambda c: (c.cost, c.worker_id, c.dp_rank))
                 ordered = [chosen, *rest]
             self.metrics.decisions.labels(outcome).inc()
-            return self._book(request, model, tenant, ordered, signed_seq, signed_local, isl, block_size, outcome)
+            # The candidates as they were when the pick began: a pool re-read meanwhile does not
+            # take an endpoint from under a decision made with it.
+            by_rank = {endpoint.rank_key: endpoint for endpoint in candidates}
+            return self._book(request, tenant, ordered, by_rank, signed_seq, signed_local, isl, block_size, outcome)
         finally:
             if queued:
                 # Booked (or refused): the queue may release the next request.
@@ -386,17 +389,18 @@ class KvPicker:
 
     # --- booking ------------------------------------------------------------------------------
 
-    def _book(self, request: RequestInfo, model: str, tenant: str, ordered: list[RankCost], seq: list[int],
-              local: list[int], isl: int, block_size: int, outcome: str) -> Pick:
+    def _book(self, request: RequestInfo, tenant: str, ordered: list[RankCost],
+              by_rank: dict[tuple[int, int], PoolEndpoint], seq: list[int], local: list[int], isl: int,
+              block_size: int, outcome: str) -> Pick:
         chosen = ordered[0]
-        endpoint = self._by_rank[(chosen.worker_id, chosen.dp_rank)]
+        endpoint = by_rank[(chosen.worker_id, chosen.dp_rank)]
         target = BookingTarget(endpoint.worker_id, endpoint.dp_rank, endpoint.address)
         addresses = [endpoint.address]
         fallbacks: dict[str, BookingTarget] = {}
         for cost in ordered[1:]:
             if len(addresses) > self.settings.fallbacks:
                 break
-            other = self._by_rank[(cost.worker_id, cost.dp_rank)]
+            other = by_rank[(cost.worker_id, cost.dp_rank)]
             if other.address not in addresses:
                 addresses.append(other.address)
                 fallbacks[other.address] = BookingTarget(other.worker_id, other.dp_rank, other.address)
