@@ -1,0 +1,74 @@
+"""Where the endpoint picker's time goes: its cProfile output, summed by what the code does.
+
+`python -m bench.gateway` runs the picker once under `python -m cProfile -o FILE -m
+dynamo_lite.epp` (py-spy is not available here) and reads FILE after the picker has exited.
+Each function's own time (cProfile's `tottime`) goes to a category by the file it lives in; a
+C builtin or a standard-library helper goes to the category of its dominant caller (a few
+callers up if need be), so a `select.poll` or a `contextlib` manager inside httpcore counts as
+the service client.
+
+cProfile sees Python only, slows Python code down several times and does not see gRPC's C-core
+threads: the shares, not the seconds, are what to read.
+"""
+
+from __future__ import annotations
+
+import pstats
+from pathlib import Path
+from typing import Any
+
+# First match wins: (category, substrings of the file path).
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("slot tracker + indexer calls (httpx client)", ("/httpx/", "/httpcore/", "/h11/", "/anyio/", "/sniffio/",
+                                                    "/shared/client.py", "/dynamo_lite/client.py")),
+    ("ext_proc stream (grpc.aio, protobuf, grpc_server.py)", ("/grpc/", "/google/protobuf/", "/envoy/", "/xds/",
+                                                             "/validate/", "/udpa/", "epp/grpc_server.py",
+                                                             "epp/health.py")),
+    ("picking and bookkeeping (picker, booking, hashing, routing)", ("epp/picker.py", "epp/booking.py",
+                                                                     "epp/prompt.py", "epp/queue.py",
+                                                                     "epp/pool.py", "hashing.py", "routing.py",
+                                                                     "slot_tracker/core.py")),
+    ("asyncio event loop", ("/asyncio/", "uvloop")),
+    ("metrics and logging", ("/prometheus_client/", "/logging/", "epp/metrics.py")),
+    ("start-up (imports)", ("<frozen importlib", "importlib")),
+)
+OTHER = "other"
+STARTUP = "start-up (imports)"
+
+
+def _category(filename: str) -> str | None:
+    for name, needles in CATEGORIES:
+        if any(needle in filename for needle in needles):
+            return name
+    return None
+
+
+def summarise(path: Path) -> dict[str, Any]:
+    """{"total_s", "shares": {category: fraction of the profiled time, start-up excluded}}."""
+    stats: dict[Any, Any] = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    memo: dict[Any, str] = {}
+
+    def category_of(function: Any, depth: int = 0) -> str:
+        """By the function's file; a builtin or a standard-library helper (contextlib, enum,
+        weakref...) by its dominant caller's category, a few callers up."""
+        if function in memo:
+            return memo[function]
+        filename, _, name = function
+        found = STARTUP if name == "<module>" else _category(filename)
+        if found is None:
+            callers = stats.get(function, (0, 0, 0, 0, {}))[4]
+            found = OTHER
+            if callers and depth < 8:
+                caller = max(callers.items(), key=lambda item: item[1][3])[0]  # by cumulative time
+                found = category_of(caller, depth + 1)
+        memo[function] = found
+        return found
+
+    seconds: dict[str, float] = {}
+    for function, (_, _, tottime, _, _) in stats.items():
+        category = category_of(function)
+        seconds[category] = seconds.get(category, 0.0) + tottime
+    seconds.pop(STARTUP, None)
+    total = sum(seconds.values())
+    shares = {name: value / total for name, value in sorted(seconds.items(), key=lambda item: -item[1])} if total else {}
+    return {"total_s": total, "shares": shares}
