@@ -6,6 +6,7 @@ gateway sees, and what the bookkeeping shows afterwards: zero active requests af
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import time
@@ -260,4 +261,19 @@ def test_the_picker_stopped(fail_open: bool) -> None:
         while httpx.post(own.url + CHAT, json=body, timeout=30).status_code != 200:
             assert time.monotonic() < deadline, "the restarted picker is not used"
             time.sleep(0.2)
+        own.wait_idle()
+
+
+def test_sigterm_lets_streams_in_flight_finish() -> None:
+    with GatewayStack(engines=1, engine_flags=["--decode-step-secs", "1.0"]) as own:  # 20 ms a token
+        body = {"model": MODEL, "prompt": list(range(40, 90)), "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", own.url + "/v1/completions", json=body, timeout=30) as answer:
+            lines = answer.iter_lines()
+            next(lines)
+            assert own.picker is not None
+            process = own.picker.process
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in rest) >= 38
+        assert process.wait(timeout=20) == 0
         own.wait_idle()

@@ -126,6 +126,8 @@ class Booking:
         self.output_tokens = 0
         self.output_blocks = 0
         self.ended: str | None = None
+        # Every line about this request carries its id as a field (`--log-format json`).
+        self._log = logging.LoggerAdapter(logger, {"fields": {"request_id": request_id}})
         self._prompt_blocks = len(sequence_hashes)
         self._non_stream_body: list[bytes] | None = None
         self._calls: asyncio.Task[None] | None = None
@@ -152,10 +154,10 @@ class Booking:
         self.metrics.served_mismatches.inc()
         moved_to = self.fallbacks.get(endpoint)
         if moved_to is None:
-            logger.warning("request %s served by %s, which is not in its pick or fallbacks; kept on %s",
+            self._log.warning("request %s served by %s, which is not in its pick or fallbacks; kept on %s",
                            self.request_id, endpoint, self.target.address)
             return
-        logger.info("request %s served by fallback %s (picked %s): booking moved",
+        self._log.info("request %s served by fallback %s (picked %s): booking moved",
                     self.request_id, endpoint, self.target.address)
         old = self.target
         self.in_flight.remove(old.rank, 0 if self.prefilled else self.new_prefill_tokens,
@@ -227,11 +229,11 @@ class Booking:
                 if exc.status in ok_statuses:
                     return True
                 if 400 <= exc.status < 500:
-                    logger.warning("request %s: %s refused: %s", self.request_id, name, exc)
+                    self._log.warning("request %s: %s refused: %s", self.request_id, name, exc)
                     self.metrics.lifecycle_failures.labels(name).inc()
                     return False
                 if attempt == RETRIES - 1:
-                    logger.warning("request %s: %s failed: %s", self.request_id, name, exc)
+                    self._log.warning("request %s: %s failed: %s", self.request_id, name, exc)
             await asyncio.sleep(delay)
             delay *= 4
         self.metrics.lifecycle_failures.labels(name).inc()
@@ -282,7 +284,7 @@ class Booking:
                 if exc.status == 404 or 400 <= exc.status < 500:
                     return  # not active any more (expired, worker gone): nothing to free
                 if loop.time() >= give_up:
-                    logger.error("request %s: /free failed for %.0f s, giving up (the slot tracker's TTL frees it): %s",
+                    self._log.error("request %s: /free failed for %.0f s, giving up (the slot tracker's TTL frees it): %s",
                                  self.request_id, FREE_GIVE_UP_SECS, exc)
                     self.metrics.lifecycle_failures.labels("free").inc()
                     return

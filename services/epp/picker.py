@@ -423,7 +423,9 @@ class KvPicker:
             "x-dynamo-routing-mode": outcome,
             "x-request-id": request_id,
         }
-        logger.debug("request %s -> %s (%s)", request_id, endpoint.address, chosen.formula(self.router_config.overlap_score_weight))
+        logger.debug("request %s -> %s (%s)", request_id, endpoint.address,
+                     chosen.formula(self.router_config.overlap_score_weight),
+                     extra={"fields": {"request_id": request_id, "endpoint": endpoint.address, "outcome": outcome}})
         return Pick(endpoints=addresses, headers=headers, tracker=booking)
 
     async def _record(self, endpoint: PoolEndpoint, local: list[int], tenant: str) -> None:
