@@ -39,6 +39,8 @@ TITLES = {
     "lifecycle": "slot tracker lifecycle mix `/add` → `/prefill_complete` → `/free`",
     "query_by_hash": "indexer `POST /query_by_hash` (512 hashes, 16 workers)",
 }
+# The section python -m bench.gateway's results go in, by hand; kept as it is on every rewrite.
+GATEWAY_HEADING = "## Gateway: Envoy + endpoint picker\n"
 WHY_MARKER = "<!-- WHY-TARGETS-NOT-MET: written by hand from the run above; python -m bench keeps this section -->"
 
 
@@ -372,13 +374,28 @@ def _profiles_section(add: Callable[[str], None], data: dict[str, Any]) -> None:
 
 
 def write(path: Path, data: dict[str, Any]) -> None:
-    """Render to `path`, keeping the text a person wrote under "Why targets are not met"."""
+    """Render to `path`, keeping the text a person wrote under "Why targets are not met", and the
+    gateway section (written from `python -m bench.gateway`, which `python -m bench` does not
+    run) verbatim at the end."""
     text = render(data)
     if path.exists():
-        kept = _why_section(path.read_text())
+        old = path.read_text()
+        kept = _why_section(old)
         if kept and "_To be completed" not in kept:
             text = text.replace(_why_section(text), kept)
+        gateway = _gateway_section(old)
+        if gateway:
+            text = text.rstrip("\n") + "\n\n" + gateway.rstrip("\n") + "\n"
     path.write_text(text)
+
+
+def _gateway_section(text: str) -> str:
+    """From the gateway heading to the next second-level heading (or the end)."""
+    start = text.find(GATEWAY_HEADING)
+    if start < 0 or (start > 0 and text[start - 1] != "\n"):
+        return ""
+    end = text.find("\n## ", start + len(GATEWAY_HEADING))
+    return text[start:] if end < 0 else text[start:end + 1]
 
 
 def _why_section(text: str) -> str:

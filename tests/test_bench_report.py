@@ -100,3 +100,18 @@ def test_rewriting_keeps_the_written_explanation(tmp_path) -> None:
                                  "[ANALYSIS.md](ANALYSIS.md)._", "uvicorn costs 70 us per request."))
     report.write(path, _data())
     assert "uvicorn costs 70 us per request." in path.read_text()
+
+
+def test_rewriting_keeps_the_gateway_section_at_the_end(tmp_path) -> None:
+    path = tmp_path / "RESULTS.md"
+    report.write(path, _data())
+    written = path.read_text().replace("_To be completed from the profiles above and the analysis in "
+                                       "[ANALYSIS.md](ANALYSIS.md)._", "uvicorn costs 70 us per request.")
+    gateway = ("## Gateway: Envoy + endpoint picker\n\n`python -m bench.gateway`: 60 req/s per picker core.\n\n"
+               "| policy | hit ratio |\n|---|---|\n| picker | 6.00% |\n")
+    path.write_text(written.rstrip("\n") + "\n\n" + gateway)
+    for _ in range(2):  # and stays as it is on every later rewrite
+        report.write(path, _data())
+        text = path.read_text()
+        assert text.endswith("\n\n" + gateway)
+        assert text.count("## Gateway") == 1 and "uvicorn costs 70 us per request." in text
