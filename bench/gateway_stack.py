@@ -17,7 +17,6 @@ Start-up, readiness and shutdown of the Python services reuse the test suite's
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import shutil
@@ -32,6 +31,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
 
 from .servers import CLIENT_CPU, SERVER_CPU  # importing bench.servers puts tests/ on sys.path
 
@@ -77,28 +78,6 @@ VARIANTS = (PICKER_FULL, PICKER_HEADERS_ONLY, PICKER_OBSERVER, PICKER_OBSERVER_5
 # The split configurations' circuit breaker on the ext_proc cluster (see `envoy_config`).
 OBSERVER_MAX_STREAMS = 100_000
 
-# The observer filter, as tests/test_epp_protocol.py configures the split.
-_OBSERVER_FILTER: dict[str, Any] = {
-    "name": "envoy.filters.http.ext_proc.observer",
-    "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": "ext_proc"}},
-        "observability_mode": True,  # Envoy sends and never waits for an answer
-        "processing_mode": {
-            "request_header_mode": "SEND",  # carries x-request-id: the stream finds its pick
-            "request_body_mode": "NONE",
-            "request_trailer_mode": "SKIP",
-            "response_header_mode": "SEND",
-            "response_body_mode": "STREAMED",
-            "response_trailer_mode": "SEND",
-        },
-        "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb"]}},
-        # How long Envoy keeps an observability stream after the HTTP stream is gone (default 5 s).
-        "deferred_close_timeout": "0.5s",
-    },
-}
-
-
 def _hcm(config: dict[str, Any]) -> dict[str, Any]:
     hcm: dict[str, Any] = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     return hcm
@@ -139,11 +118,8 @@ def envoy_config(variant: str, *, listen_port: int, admin_port: int, picker_port
     elif variant == PICKER_HEADERS_ONLY:
         mode.update(response_body_mode="NONE", response_trailer_mode="SKIP")
     elif variant in (PICKER_OBSERVER, PICKER_OBSERVER_5S):
-        mode.update(response_header_mode="SKIP", response_body_mode="NONE", response_trailer_mode="SKIP")
-        observer = copy.deepcopy(_OBSERVER_FILTER)
-        if variant == PICKER_OBSERVER_5S:
-            del observer["typed_config"]["deferred_close_timeout"]
-        filters.insert(at + 1, observer)
+        mode.update(REQUEST_SIDE_ONLY["processing_mode"])
+        filters.insert(at + 1, observer_filter(None if variant == PICKER_OBSERVER_5S else "0.5s"))
         # Every request's observer stream stays open for the deferred close after the request
         # ends: at r requests/s about r x 5 s streams with Envoy's default. Past the cluster's
         # default circuit breaker (1,024 active requests) a new ext_proc stream overflows and the

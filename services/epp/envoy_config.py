@@ -72,4 +72,58 @@ def configure(
     return config
 
 
-__all__ = ["cluster", "configure", "http_filter", "http_filters", "shipped_config"]
+EXT_PROC = "envoy.filters.http.ext_proc"
+
+
+def observer_filter(deferred_close_timeout: str | None = None) -> dict[str, Any]:
+    """A second ext_proc filter in observability mode that gets the response side (headers, the
+    body STREAMED, trailers) and is never waited for: put it after the picker's filter, whose
+    response side `split_response_side` turns off. Its stream finds the request's booking by
+    `x-request-id`. `deferred_close_timeout`: how long Envoy keeps the stream once the request is
+    done (None: Envoy's default, 5 s; shorter notices a client hang-up sooner, but a picker that
+    lags that far behind loses the request's end)."""
+    typed_config: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": "ext_proc"}},
+        "observability_mode": True,  # Envoy sends and never waits for an answer
+        "processing_mode": {
+            "request_header_mode": "SEND",  # carries x-request-id: the stream finds its pick
+            "request_body_mode": "NONE",
+            "request_trailer_mode": "SKIP",
+            "response_header_mode": "SEND",
+            "response_body_mode": "STREAMED",
+            "response_trailer_mode": "SEND",
+        },
+        "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb"]}},
+    }
+    if deferred_close_timeout is not None:
+        typed_config["deferred_close_timeout"] = deferred_close_timeout
+    return {"name": EXT_PROC + ".observer", "typed_config": typed_config}
+
+
+# The picker's own filter with the response side off (the observer filter takes it).
+REQUEST_SIDE_ONLY: dict[str, Any] = {
+    "processing_mode": {
+        "request_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_header_mode": "SKIP",
+        "response_body_mode": "NONE",
+        "response_trailer_mode": "SKIP",
+    }
+}
+
+
+def split_response_side(config: dict[str, Any], deferred_close_timeout: str | None = None) -> dict[str, Any]:
+    """A copy of `config` whose picker filter keeps the request side only, with
+    `observer_filter(...)` right after it for the response side (docs/gateway.md)."""
+    config = copy.deepcopy(config)
+    filters = http_filters(config)
+    at = next(i for i, f in enumerate(filters) if f["name"] == EXT_PROC)
+    filters[at]["typed_config"].update(copy.deepcopy(REQUEST_SIDE_ONLY))
+    filters.insert(at + 1, observer_filter(deferred_close_timeout))
+    return config
+
+
+__all__ = ["EXT_PROC", "REQUEST_SIDE_ONLY", "cluster", "configure", "http_filter", "http_filters", "observer_filter",
+           "shipped_config", "split_response_side"]
