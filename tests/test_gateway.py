@@ -277,3 +277,24 @@ def test_sigterm_lets_streams_in_flight_finish() -> None:
         assert rest[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in rest) >= 38
         assert process.wait(timeout=20) == 0
         own.wait_idle()
+
+
+def test_the_http_side_is_what_openapi_epp_yaml_says(gateway: GatewayStack) -> None:
+    import yaml
+    from pathlib import Path
+
+    document = yaml.safe_load((Path(__file__).resolve().parents[1] / "openapi" / "epp.yaml").read_text())
+    assert gateway.picker is not None
+    served = {"/health", "/ready", "/metrics", "/pool", "/busy_threshold"}
+    assert set(document["paths"]) == served
+    pool = httpx.get(gateway.picker + "/pool").json()
+    assert pool["ready"] is True and len(pool["endpoints"]) == 3
+    endpoint_schema = document["components"]["schemas"]["PoolEndpoint"]
+    assert set(pool["endpoints"][0]) == set(endpoint_schema["properties"])
+    thresholds = httpx.post(gateway.picker + "/busy_threshold", json={}).json()
+    assert set(thresholds) == set(document["components"]["schemas"]["Thresholds"]["properties"])
+    for bad in ({"no_such_threshold": 1}, {"active_decode_blocks_threshold": -1},
+                {"active_decode_blocks_threshold": 1.5}, [1]):
+        answer = httpx.post(gateway.picker + "/busy_threshold", json=bad)
+        assert answer.status_code == 400 and "error" in answer.json(), bad
+    assert httpx.get(gateway.picker + "/ready").status_code == 200
