@@ -296,6 +296,9 @@ class KvPicker:
                 return True, {}
             self._indexer_state.failed(result, "by load alone")
             return False, {}
+        if isinstance(result, Exception):  # an answer that does not read (not JSON, another shape)
+            self._indexer_state.failed(result, "by load alone")
+            return False, {}
         if isinstance(result, BaseException):
             raise result
         self._indexer_state.ok()
@@ -303,6 +306,9 @@ class KvPicker:
 
     def _read_loads(self, result: Any, candidates: list[PoolEndpoint]) -> tuple[bool, list[PotentialLoad]]:
         if isinstance(result, ServiceCallError):
+            self._slot_tracker_state.failed(result, "by overlap and this picker's own in-flight counts")
+            return False, []
+        if isinstance(result, Exception):  # an answer that does not read (not JSON, another shape)
             self._slot_tracker_state.failed(result, "by overlap and this picker's own in-flight counts")
             return False, []
         if isinstance(result, BaseException):

@@ -94,14 +94,15 @@ def offset_endpoint_port(endpoint: str, rank: int) -> str:
     raise KvEventsConfigError(f"cannot offset the port of endpoint {endpoint!r} for dp rank {rank}")
 
 
-def _sglang_event(event: Event, cache_salt: str | None = None) -> Event:
-    """SGLang publishes signed int64 hashes."""
+def _sglang_event(event: Event) -> Event:
+    """SGLang publishes signed int64 hashes. (The cache salt is not written: the picker, like
+    the indexer for vLLM's events, hashes without it, so both sides stay in step.)"""
     if isinstance(event, Stored):
         return Stored(
             block_hashes=[to_signed(h) for h in event.block_hashes],  # type: ignore[arg-type]
             parent_block_hash=None if event.parent_block_hash is None else to_signed(event.parent_block_hash),  # type: ignore[arg-type]
             token_ids=event.token_ids, block_size=event.block_size, lora_id=None, medium=event.medium,
-            lora_name=event.lora_name, cache_salt=cache_salt,
+            lora_name=event.lora_name,
         )
     if isinstance(event, Removed):
         return Removed(block_hashes=[to_signed(h) for h in event.block_hashes], medium=event.medium)  # type: ignore[arg-type]
