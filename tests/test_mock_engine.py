@@ -4,6 +4,7 @@ KV events through a real indexer subscribed over ZMQ."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 
@@ -30,11 +31,31 @@ def kv_events_config(port: int, replay_port: int | None) -> str:
     return json.dumps(config)
 
 
+def free_run(count: int) -> int:
+    """A port p with p .. p + count - 1 all free now."""
+    while True:
+        port = free_port()
+        if all(_bindable(port + offset) for offset in range(1, count)):
+            return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
+
+
 def start_engine(*flags: str, events: bool = True, replay: bool = True, dp: int = 1):
     """The stand-in on free ports, fast (speedup 50), with its KV events endpoints."""
     event_port, replay_port = free_port(), free_port()
-    if dp > 1:  # rank r binds port + r: leave room
-        event_port, replay_port = 30000 + free_port() % 10000, 40000 + free_port() % 10000
+    if dp > 1:  # rank r binds port + r: both must be free (and below the ephemeral range)
+        event_port = free_run(dp)
+        replay_port = free_run(dp)
+        while abs(replay_port - event_port) < dp:
+            replay_port = free_run(dp)
     argv = ["--speedup-ratio", "50", "--block-size", str(BLOCK), *flags]
     if events:
         argv += ["--kv-events-config", kv_events_config(event_port, replay_port if replay else None)]
