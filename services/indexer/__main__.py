@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         type=non_negative_float,
         default=300.0,
         help="seconds between two full garbage collections (0: never). Between them only young "
-        "objects are collected, so no request waits for a scan of the whole index; a full one "
-        "pauses the service for about 0.1 s per million indexed blocks",
+        "objects are collected; index nodes are never scanned, so a full one pauses the "
+        "service for about 1 ms per million indexed blocks (0.1 s before the nodes left the collector)",
     )
     engines = parser.add_argument_group(
         "engines", "subscribe at start-up to engines that publish KV events over ZMQ (vLLM, SGLang); "
