@@ -516,7 +516,7 @@ def test_branching_children_collapse_back_to_a_single_child() -> None:
     tree.store((2, 0), None, [1, 3], [L[0], 5])
     assert isinstance(tree.root.child.child, dict)
     tree.drop_worker((2, 0))
-    assert isinstance(tree.root.child.child, Node)
+    assert not isinstance(tree.root.child.child, dict)
 
 
 def test_dump_replays_into_an_identical_index() -> None:

@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from dynamo_lite.hashing import sequence_hashes, to_signed_list
 from dynamo_lite.indexer.protocols import LOWER_TIERS, Stored
-from dynamo_lite.indexer.tree import Node, PrefixTree, StoreStatus
+from dynamo_lite.indexer.tree import Chain, PrefixTree, StoreStatus
 
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0)]
 ODD_SEED_WORKER = (3, 0)  # names the same content differently from everyone else
@@ -140,6 +140,8 @@ def model_match(workers: dict[tuple[int, int], ModelWorker], query: list[int]) -
 
 
 class IndexModel(RuleBasedStateMachine):
+    chains: bool | None = None  # the tree's default: chains, as unlimited
+
     @initialize(
         prompts=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=7), min_size=2, max_size=5)
     )
@@ -149,7 +151,7 @@ class IndexModel(RuleBasedStateMachine):
         for content in prompts:
             base = self.prompts[len(content) % len(self.prompts)] if self.prompts else []
             self.prompts.append(base[: len(content) // 2] + [LOCALS[c] for c in content])
-        self.tree = PrefixTree()
+        self.tree = PrefixTree(chains=self.chains)
         self.model: dict[tuple[int, int], ModelWorker] = {}
 
     def _worker(self, key: tuple[int, int]) -> ModelWorker:
@@ -311,7 +313,7 @@ class IndexModel(RuleBasedStateMachine):
         while stack:
             node = stack.pop()
             child = node.child
-            children = [] if child is None else [child] if isinstance(child, Node) else list(child.values())
+            children = [] if child is None else list(child.values()) if isinstance(child, dict) else [child]
             if isinstance(child, dict):
                 assert len(child) > 1
             for c in children:
@@ -320,6 +322,8 @@ class IndexModel(RuleBasedStateMachine):
                     assert c.holders & ~node.holders == 0
                 assert c.holders or c.child is not None or c in self.tree.dormant
                 assert not self.tree.dormant.get(c, 0) & c.holders
+                if isinstance(c, Chain):
+                    assert len(c.locals) == len(c.exts) >= 1 and c.run is None
             stack.extend(children)
 
     @invariant()
@@ -339,3 +343,15 @@ IndexModel.TestCase.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestIndexModel = IndexModel.TestCase
+
+
+class PlainIndexModel(IndexModel):
+    """The same model against a tree with a node per block (what a limited tree keeps)."""
+
+    chains = False
+
+
+PlainIndexModel.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestPlainIndexModel = PlainIndexModel.TestCase

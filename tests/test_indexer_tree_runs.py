@@ -26,7 +26,7 @@ from dynamo_lite.indexer import tree as tree_module
 from dynamo_lite.indexer.answers import query_answer, tiered_answer
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer, QueryResult
-from dynamo_lite.indexer.tree import MatchResult, Node, PrefixTree, Run, StoreStatus
+from dynamo_lite.indexer.tree import Chain, MatchResult, Node, PrefixTree, Run, StoreStatus
 
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0), (4, 2)]
 _rng = random.Random(99)
@@ -51,8 +51,16 @@ def plain_stops(tree: PrefixTree, hashes: list[int]) -> list[tuple[int, int, Nod
     for depth, local in enumerate(hashes):
         if local < 0:
             local += U64_MODULUS
-        child = node.child
-        if child.__class__ is Node:
+        if isinstance(node, tuple) and node[1] + 1 < len(node[0]):
+            # Inside a chain (a block at a time): same holders, so no stop.
+            chain, index = node
+            if chain.locals[index + 1] != local:
+                break
+            node = (chain, index + 1)
+            continue
+        parent = node[0] if isinstance(node, tuple) else node
+        child = parent.child
+        if child.__class__ is Node or child.__class__ is Chain:
             if child.local != local:
                 break
         elif child is None:
@@ -68,7 +76,7 @@ def plain_stops(tree: PrefixTree, hashes: list[int]) -> list[tuple[int, int, Nod
             alive = holders
             if not holders:
                 break
-        node = child
+        node = (child, 0) if child.__class__ is Chain else child
     else:
         depth = len(hashes)
     if depth and alive:
@@ -97,8 +105,8 @@ def check_runs(tree: PrefixTree) -> None:
             assert any(member is node for member in node.run.nodes)
             runs[id(node.run)] = node.run
         child = node.child
-        children = [] if child is None else [child] if child.__class__ is Node else list(child.values())
-        stack.extend((c, depth + 1) for c in children)
+        children = [] if child is None else list(child.values()) if child.__class__ is dict else [child]
+        stack.extend((c, depth + (len(c) if c.__class__ is Chain else 1)) for c in children)  # a chain: its last block
     assert tree.root.run is None
     for run in runs.values():
         nodes = run.nodes
@@ -165,7 +173,7 @@ class RunsMachine(RuleBasedStateMachine):
             base = self.prompts[len(content) % len(self.prompts)] if self.prompts else ()
             self.prompts.append(base[: self.rng.randint(0, len(base))] + tuple(LOCALS[c] for c in content))
         self.limit = limit
-        self.tree = PrefixTree(max_blocks=limit)
+        self.tree = PrefixTree(max_blocks=limit, chains=False)  # runs are made on nodes
         self.held: dict[tuple[int, int], set[Path]] = {w: set() for w in WORKERS}
 
     def _prompt(self, which: int) -> Path:
@@ -343,6 +351,8 @@ class SmallRuns:
 
 
 class SmallRunsIndexModel(SmallRuns, model_suite.IndexModel):
+    chains = False  # runs are made on nodes
+
     @invariant()
     def runs_are_true(self) -> None:
         if hasattr(self, "tree"):
@@ -368,7 +378,7 @@ TestSmallRunsEviction.settings = machine_settings(150)
 
 
 def test_a_run_spans_holders_changes_and_is_cut_where_they_change(small_runs: None) -> None:
-    tree = PrefixTree()
+    tree = PrefixTree(chains=False)
     chain = LOCALS * 4
     for w, depth in zip(WORKERS, (36, 30, 20, 9)):
         tree.store(w, None, [ext(w, tuple(chain[: i + 1])) for i in range(depth)], chain[:depth])
@@ -388,7 +398,7 @@ def test_a_run_spans_holders_changes_and_is_cut_where_they_change(small_runs: No
 
 
 def test_a_query_diverging_inside_a_run_or_at_a_branch_below_it(small_runs: None) -> None:
-    tree = PrefixTree()
+    tree = PrefixTree(chains=False)
     a, b = (1, 0), (2, 0)
     chain = [LOCALS[i % len(LOCALS)] ^ i for i in range(50)]
     tree.store(a, None, [ext(a, tuple(chain[: i + 1])) for i in range(50)], chain)
@@ -408,7 +418,7 @@ def test_a_query_diverging_inside_a_run_or_at_a_branch_below_it(small_runs: None
 
 
 def test_leaving_a_run_takes_only_the_stops_above_the_difference(small_runs: None) -> None:
-    tree = PrefixTree()
+    tree = PrefixTree(chains=False)
     chain = LOCALS * 5
     depths = (40, 33, 25, 18, 9)
     for w, depth in zip(WORKERS, depths):
@@ -426,7 +436,7 @@ def test_leaving_a_run_takes_only_the_stops_above_the_difference(small_runs: Non
 
 
 def test_filling_a_gap_revives_the_blocks_below_under_a_run(small_runs: None) -> None:
-    tree = PrefixTree()
+    tree = PrefixTree(chains=False)
     a, b = (1, 0), (2, 0)
     chain = LOCALS * 3
     for w in (a, b):
@@ -443,7 +453,7 @@ def test_filling_a_gap_revives_the_blocks_below_under_a_run(small_runs: None) ->
 def test_filling_a_gap_cuts_a_run_that_starts_below_it(small_runs: None) -> None:
     """A run that starts at a branch below the gap: reviving the blocks under it changes the
     holders inside it (a holds 21 blocks, b 27), so it must be cut there."""
-    tree = PrefixTree()
+    tree = PrefixTree(chains=False)
     a, b, c = (1, 0), (2, 0), (3, 0)
     chain = LOCALS * 3
     other = chain[:10] + [11, 12, 13]
@@ -463,7 +473,7 @@ def test_filling_a_gap_cuts_a_run_that_starts_below_it(small_runs: None) -> None
 
 
 def test_mixed_forms_within_one_run(small_runs: None) -> None:
-    tree = PrefixTree()
+    tree = PrefixTree(chains=False)
     w = (1, 0)
     chain = [LOCALS[i % 2] ^ i for i in range(40)]  # alternately above and below 2**63
     assert sum(h >= 2**63 for h in chain) == 20

@@ -39,6 +39,29 @@ slot's held subtree below it when that is not empty (zero for tail-first evictio
 re-store visits the dormant subtree it revives. `dormant` is empty unless an engine evicts
 mid-chain, and then costs nothing on the query path.
 
+Chains: a run of blocks in two arrays
+-------------------------------------
+Engines store blocks in runs (a batch, a request's prompt), and most blocks of an index are
+in long stretches that nothing branches from and that the same workers hold. An unlimited tree
+(`chains`, the default without `max_blocks`) stores such a stretch as one `Chain`: the local
+and the external hashes as two u64 arrays, one holders mask, one dormant mask. A store past the
+end of the tree makes a chain (or, when the slot goes on with a chain only it holds, extends it
+in place: two array extends and one dict update for the whole batch), and each slot's map sends
+every one of the chain's external hashes to the chain. Memory per block: 16 B in the arrays
+plus the slot's map entry and its int key, against a 64 B node and two int objects before
+(`python -m bench.indexer_core`: 102 against 194 B per block, one worker).
+
+Everything else sees a chain as one node: its blocks share holders and dormancy, so walks,
+`_promote` and `_demote` treat it whole, and a match compares the query with its hashes a slice
+at a time (like a run). What needs one block of it cuts it first: `_split` (a store that covers
+only its head, a store that diverges inside it) keeps the head in place and moves the tail to a
+new chain, re-pointing the tail's names in each holder's map; `_isolate` gives one block a
+`Node` of its own (a removal, a parent in the middle of a chain, a slot that names a block
+differently, whose name goes into `overrides`). A tail-first removal cuts one block off the end:
+O(1). Chains are not put back together when a branch goes away.
+
+A limited tree keeps a node per block: its recency is per block (see "Bounded size").
+
 Runs: the query's fast path
 ---------------------------
 Walking a 512-block query node by node costs ~50 ns of bytecode per block. A match therefore
@@ -82,9 +105,11 @@ blocks are dropped oldest store first (queries do not touch them).
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from dataclasses import dataclass, field
 from enum import Enum
 from operator import attrgetter
@@ -122,6 +147,50 @@ class Node(msgspec.Struct, gc=False, eq=False):
     run: Optional[Run] = None  # the run this node is in, if a query made one
 
 
+class Chain(msgspec.Struct, gc=False, eq=False):
+    """Consecutive blocks of one path stored as packed arrays: what a store past the end of
+    the tree makes instead of a `Node` per block (unbounded trees only, see "Chains" in the
+    module notes). Every block of a chain has the same holders and the same dormant mask
+    (`dormant[chain]`), every holder names them by `exts` (no overrides), and a chain is
+    never in a `Run`, so code that only reads `holders`, `child`, `parent`, `run` and `local`
+    treats it as one node. Anything that needs one block of it (a removal, a store that
+    diverges inside it) cuts it first (`PrefixTree._split`, `PrefixTree._isolate`)."""
+
+    locals: array  # u64 ('Q'), one per block
+    exts: array  # u64 ('Q'): every holder's external hash of the block
+    parent: Any
+    holders: int
+    child: Any = None
+    run: None = None  # never in a run; here so that code reading `node.run` needs no check
+    unsigned: Optional[list[int]] = None  # `locals` as a list, made when a query first needs it
+    signed: Optional[list[int]] = None  # the same as i64
+
+    @property
+    def local(self) -> int:
+        """The first block's local hash: its key among its parent's children."""
+        return self.locals[0]
+
+    def __len__(self) -> int:
+        return len(self.locals)
+
+    def form(self, signed: bool) -> list[int]:
+        if signed:
+            form = self.signed
+            if form is None:
+                form = self.signed = array("q", self.locals.tobytes()).tolist()
+        else:
+            form = self.unsigned
+            if form is None:
+                form = self.unsigned = self.locals.tolist()
+        return form
+
+    def local_at(self, index: int) -> int:
+        return self.locals[index]
+
+    def forget_forms(self) -> None:
+        self.unsigned = self.signed = None
+
+
 # Queries make runs of at least this many nodes (shorter stretches are walked node by node).
 MIN_RUN = 8
 _I64_LIMIT = 2**63
@@ -151,6 +220,12 @@ class Run:
         self.signed: list[int] | None = None  # the same as i64, built on first use
         for node in nodes:
             node.run = self
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def local_at(self, index: int) -> int:
+        return self.nodes[index].local
 
     def form(self, signed: bool) -> list[int]:
         """The nodes' local hashes as u64 or as i64: each form is made when a query first
@@ -219,12 +294,11 @@ def _settle_run(pending: list[Node], end: int, marks: list[int], stops: list[Sto
 _consume = deque(maxlen=0).extend  # runs an iterator to its end in C
 
 
-def _common(query: list[int], start: int, end: int, run: Run, signed: bool) -> tuple[int, bool]:
-    """How many of the run's nodes `query[start:end]` matches (at least its first, which the
-    caller matched), and whether the query was last seen in i64 form. Compares whole slices;
-    a hash may be u64 or i64, even mixed within one query."""
-    nodes = run.nodes
-    size = len(nodes)
+def _common(query: list[int], start: int, end: int, run: Run | Chain, signed: bool) -> tuple[int, bool]:
+    """How many of the run's (or chain's) blocks `query[start:end]` matches (at least its
+    first, which the caller matched), and whether the query was last seen in i64 form.
+    Compares whole slices; a hash may be u64 or i64, even mixed within one query."""
+    size = len(run)
     count = end - start
     if count > size:
         count = size
@@ -247,7 +321,7 @@ def _common(query: list[int], start: int, end: int, run: Run, signed: bool) -> t
         value = query[start + low]
         if value < 0:
             value += U64_MODULUS
-        if value != nodes[low].local:
+        if value != run.local_at(low):
             return low, signed
         signed = not signed  # the same hash in the other form: carry on in that form
         position = low + 1
@@ -301,11 +375,16 @@ class PrefixTree:
     """The index of one partition. Not thread-safe; all methods are synchronous and pure
     (`match` updates runs and, with a limit, recency: both invisible in answers)."""
 
-    def __init__(self, max_blocks: int = 0) -> None:
-        """`max_blocks` 0: unlimited; otherwise the limit described in the module notes."""
+    def __init__(self, max_blocks: int = 0, *, chains: bool | None = None) -> None:
+        """`max_blocks` 0: unlimited; otherwise the limit described in the module notes.
+        `chains`: store new blocks as `Chain`s (default: when unlimited; a limited tree keeps
+        recency per block, so it has a node per block)."""
+        if chains and max_blocks:
+            raise ValueError("chains need an unlimited tree (max_blocks 0)")
         self.root = Node(0, 0, None, 0)  # never matched: matching starts at its children
         self.slots: dict[WorkerKey, WorkerSlot] = {}
-        self.dormant: dict[Node, int] = {}
+        self.dormant: dict[Node | Chain, int] = {}
+        self.chains = not max_blocks if chains is None else chains
         self.lower: dict[StorageTier, dict[TransitionKey, EdgeEntry]] = {tier: {} for tier in LOWER_TIERS}
         self._by_bit: dict[int, WorkerSlot] = {}
         # bit -> the slot's own int object for it. A mask left with one holder is replaced by
@@ -330,11 +409,13 @@ class PrefixTree:
             node = pending.pop()
             child = node.child
             if child is not None:
-                if child.__class__ is Node:
-                    pending.append(child)
-                else:
+                if child.__class__ is dict:
                     pending.extend(child.values())
-            node.child = node.parent = node.run = None
+                else:
+                    pending.append(child)
+            node.child = node.parent = None
+            if node.__class__ is Node:
+                node.run = None
 
     # --- workers ------------------------------------------------------------------------------
 
@@ -390,7 +471,10 @@ class PrefixTree:
             node = blocks.get(ext)
             if node is None:
                 continue
-            own = overrides.get(node, node.ext) if overrides else node.ext
+            if node.__class__ is Chain:
+                own = ext  # a chain's holders all name its blocks alike
+            else:
+                own = overrides.get(node, node.ext) if overrides else node.ext
             if theirs.get(own) is node:
                 found.append(own)
         return found
@@ -445,6 +529,7 @@ class PrefixTree:
         blocks = slot.blocks
         held_before = len(blocks)
         bit = slot.bit
+        dormant = self.dormant
         if parent_hash is None:
             start = self.root
             active = True
@@ -452,24 +537,55 @@ class PrefixTree:
             found = blocks.get(parent_hash)
             if found is None:
                 return StoreStatus.UNKNOWN_PARENT
+            if found.__class__ is Chain:
+                if (
+                    found.child is None
+                    and found.holders == bit
+                    and found.exts[-1] == parent_hash
+                    and not (dormant and found in dormant)
+                    and blocks.keys().isdisjoint(block_hashes)
+                ):
+                    # The slot goes on with a chain of its own (the next batch of a prompt, a
+                    # decode step): the common case is two array extends and one dict update.
+                    _extend_chain(found, block_hashes, tokens_hashes)
+                    blocks.update(zip(block_hashes, repeat(found)))
+                    self.device_blocks += len(blocks) - held_before
+                    return StoreStatus.STORED
+                found = self._isolate(found, found.exts.index(parent_hash))
             start = found
             active = bool(start.holders & bit)
         if not blocks.keys().isdisjoint(block_hashes) and not _consistent(
             blocks, start, block_hashes, tokens_hashes
         ):
             return StoreStatus.HASH_CONFLICT
-        dormant = self.dormant
         overrides = slot.overrides
         node = start
-        pairs = zip(block_hashes, tokens_hashes)
-        for ext, local in pairs:
+        count = len(block_hashes)
+        index = 0
+        while index < count:
+            ext = block_hashes[index]
+            local = tokens_hashes[index]
             child = node.child
             if child is None:
                 if active:
-                    # Past the end of the tree: the rest of the chain is new nodes held by this
+                    # Past the end of the tree: the rest of the chain is new blocks held by this
                     # slot alone (the common case of a prefill or a decode step), no checks needed.
+                    if self.chains:
+                        exts = block_hashes[index:]
+                        if (
+                            node.__class__ is Chain
+                            and node.holders == bit
+                            and not (dormant and node in dormant)
+                        ):
+                            _extend_chain(node, exts, tokens_hashes[index:])
+                        else:
+                            node.child = node = Chain(
+                                _u64_array(tokens_hashes[index:]), _u64_array(exts), node, bit
+                            )
+                        blocks.update(zip(exts, repeat(node)))
+                        break
                     child = node.child = blocks[ext] = Node(local, ext, node, bit)
-                    for ext, local in pairs:
+                    for ext, local in zip(block_hashes[index + 1 :], tokens_hashes[index + 1 :]):
                         child.child = child = blocks[ext] = Node(local, ext, child, bit)
                     node = child
                     break
@@ -479,12 +595,31 @@ class PrefixTree:
                     new = Node(local, ext, node, 0)
                     node.child = {child.local: child, local: new}
                     child = new
+            elif child.__class__ is Chain:
+                if child.locals[0] != local:
+                    new = Node(local, ext, node, 0)
+                    node.child = {child.local: child, local: new}
+                    child = new
             else:
                 found_child = child.get(local)
                 if found_child is None:
                     found_child = child[local] = Node(local, ext, node, 0)
                 child = found_child
+            if child.__class__ is Chain:
+                matched = _chain_prefix(child, block_hashes, tokens_hashes, index)
+                if matched:
+                    # The store covers the chain's first `matched` blocks, which all stand alike
+                    # for this slot: take them as one.
+                    if matched < len(child):
+                        self._split(child, matched)
+                    self._take_chain(slot, child, block_hashes[index : index + matched], active)
+                    node = child
+                    index += matched
+                    continue
+                # The slot names the chain's first block otherwise (an override): node by node.
+                child = self._isolate(child, 0)
             node = child
+            index += 1
             holders = node.holders
             if holders & bit:
                 continue
@@ -513,6 +648,78 @@ class PrefixTree:
             if self.device_blocks > self.max_blocks:
                 self._evict_device()
         return StoreStatus.STORED
+
+    def _take_chain(self, slot: WorkerSlot, chain: Chain, exts: Sequence[int], active: bool) -> None:
+        """The slot stores every block of `chain` (named `exts`, equal to `chain.exts`)."""
+        bit = slot.bit
+        holders = chain.holders
+        if holders & bit:
+            return
+        dormant = self.dormant
+        if dormant and dormant.get(chain, 0) & bit:
+            return
+        if active:
+            chain.holders = bit if not holders else holders | bit
+            if dormant and chain.child is not None:
+                self._promote(chain, bit)
+        else:
+            dormant[chain] = dormant.get(chain, 0) | bit
+        slot.blocks.update(zip(exts, repeat(chain)))
+
+    def _split(self, chain: Chain, size: int) -> Chain:
+        """Cut `chain` after its first `size` blocks (0 < size < len): it keeps them, and the
+        rest becomes a new chain below it, returned. Costs a dict update per block moved and
+        holder, so cutting near the end is cheap (tail-first removals)."""
+        tail = Chain(chain.locals[size:], chain.exts[size:], chain, chain.holders, chain.child)
+        _adopt(tail, chain.child)
+        del chain.locals[size:]
+        del chain.exts[size:]
+        chain.child = tail
+        chain.forget_forms()
+        self._hand_over(chain, tail, keep=True)
+        return tail
+
+    def _isolate(self, chain: Chain, index: int) -> Node:
+        """Replace block `index` of `chain` by a `Node` of its own (the chain's blocks before
+        and after it stay chains), for code that works on one block; returns the node."""
+        if index + 1 < len(chain):
+            self._split(chain, index + 1)
+        if index:
+            chain = self._split(chain, index)
+        node = Node(chain.locals[0], chain.exts[0], chain.parent, chain.holders, chain.child)
+        _adopt(node, chain.child)
+        _relink(chain.parent, chain, node)
+        self._hand_over(chain, node, keep=False)
+        chain.parent = chain.child = None
+        return node
+
+    def _hand_over(self, chain: Chain, piece: Node | Chain, *, keep: bool) -> None:
+        """`piece` now has blocks of `chain`: it takes the chain's dormant mask (the chain keeps
+        it too when `keep`), and every slot holding them finds them in it."""
+        mask = piece.holders
+        if self.dormant:
+            below_gap = self.dormant.get(chain, 0) if keep else self.dormant.pop(chain, 0)
+            if below_gap:
+                self.dormant[piece] = below_gap
+                mask |= below_gap
+        self._repoint(piece, mask)
+
+    def _repoint(self, piece: Node | Chain, mask: int) -> None:
+        """Make the slots of `mask` find `piece`'s blocks in their maps (they name them alike)."""
+        by_bit = self._by_bit
+        if piece.__class__ is Chain:
+            names = piece.exts.tolist()
+            while mask:
+                low = mask & -mask
+                by_bit[low].blocks.update(zip(names, repeat(piece)))
+                mask ^= low
+            return
+        while mask:
+            low = mask & -mask
+            slot = by_bit[low]
+            overrides = slot.overrides
+            slot.blocks[overrides.get(piece, piece.ext) if overrides else piece.ext] = piece
+            mask ^= low
 
     def _store_lower(
         self,
@@ -578,7 +785,7 @@ class PrefixTree:
             child = stack.pop().child
             if child is None:
                 continue
-            for candidate in (child,) if child.__class__ is Node else child.values():
+            for candidate in child.values() if child.__class__ is dict else (child,):
                 mask = dormant.get(candidate, 0)
                 if mask & bit:
                     mask ^= bit
@@ -612,10 +819,13 @@ class PrefixTree:
         bit = slot.bit
         unknown = 0
         for ext in block_hashes:
-            node = blocks.pop(ext, None)
+            node = blocks.get(ext)
             if node is None:
                 unknown += 1
                 continue
+            if node.__class__ is Chain:
+                node = self._isolate(node, node.exts.index(ext))
+            del blocks[ext]
             if overrides:
                 overrides.pop(node, None)
             holders = node.holders
@@ -649,7 +859,7 @@ class PrefixTree:
             child = stack.pop().child
             if child is None:
                 continue
-            for candidate in (child,) if child.__class__ is Node else child.values():
+            for candidate in child.values() if child.__class__ is dict else (child,):
                 holders = candidate.holders
                 if holders & bit:
                     if candidate.run is not None:
@@ -703,10 +913,10 @@ class PrefixTree:
         bit = slot.bit
         canonical = self._canonical
         dormant = self.dormant
-        nodes = list(slot.blocks.values())
+        nodes = list(dict.fromkeys(slot.blocks.values()))  # a chain stands for several blocks
+        self.device_blocks -= len(slot.blocks)
         slot.blocks = {}
         slot.overrides = {}
-        self.device_blocks -= len(nodes)
         recent = self._recent
         for node in nodes:
             holders = node.holders
@@ -791,7 +1001,8 @@ class PrefixTree:
         query = local_hashes if local_hashes.__class__ is list else list(local_hashes)
         end = len(query)
         node_class = Node
-        node = self.root
+        chain_class = Chain
+        node: Any = self.root
         alive = -1  # every slot, until the first node says who holds it
         depth = 0
         signed = False  # whether the query was last seen in i64 form: the run form to try first
@@ -811,6 +1022,9 @@ class PrefixTree:
                     break
             elif child is None:
                 break
+            elif child.__class__ is chain_class:
+                if child.locals[0] != local:
+                    break
             else:
                 child = child.get(local)
                 if child is None:
@@ -825,10 +1039,25 @@ class PrefixTree:
                 alive = holders
                 if not holders:
                     break
-                if run is None and (pending or extend is not None):
+                if run is None and (pending or extend is not None) and child.__class__ is not chain_class:
                     marks.append(len(pending))  # where `child` goes
                     pending_stops.append(stop)
             if run is None:
+                if child.__class__ is chain_class:
+                    # A chain: one slice comparison, like a run's, and no stop inside it.
+                    if pending:
+                        _settle_run(pending, depth, marks, pending_stops, extend)
+                        pending = []
+                        marks = []
+                        pending_stops = []
+                    extend = None
+                    matched, signed = _common(query, depth, end, child, signed)
+                    depth += matched
+                    if matched < len(child):
+                        node = (child, matched - 1)  # a point inside the chain
+                        break
+                    node = child
+                    continue
                 pending.append(child)
                 depth += 1
                 node = child
@@ -869,7 +1098,7 @@ class PrefixTree:
             while mask:
                 low = mask & -mask
                 overrides = by_bit[low].overrides
-                position[low] = (depth, overrides.get(node, node.ext) if overrides else node.ext)
+                position[low] = (depth, _stop_ext(node, overrides))
                 mask ^= low
         first = local_hashes[0]
         host = result.host_pinned
@@ -968,7 +1197,7 @@ class PrefixTree:
             start = pending.pop()
             run = [start]
             node = start
-            while node.child is not None and node.child.__class__ is Node:
+            while node.child is not None and node.child.__class__ is not dict:
                 node = node.child
                 run.append(node)
             further = _children(node)
@@ -976,29 +1205,22 @@ class PrefixTree:
             pending.extend(further)
             lengths: dict[int, int] = {}
             mask = start.holders
-            for depth, member in enumerate(run):
+            depth = 0
+            for member in run:
                 if member.holders != mask:
                     _settle_lengths(lengths, mask ^ member.holders, depth)
                     mask = member.holders
-            _settle_lengths(lengths, mask, len(run))
+                depth += len(member) if member.__class__ is Chain else 1
+            _settle_lengths(lengths, mask, depth)
             parent = start.parent
             for slot in sorted((by_bit[bit] for bit in lengths), key=lambda s: s.key):
                 if include is not None and not include(slot.key):
                     continue
                 overrides = slot.overrides
-                covered = run[: lengths[slot.bit]]
-                parent_hash = None
-                if parent is not root:
-                    parent_hash = overrides.get(parent, parent.ext) if overrides else parent.ext
-                exts = [overrides.get(n, n.ext) for n in covered] if overrides else [n.ext for n in covered]
+                parent_hash = None if parent is root else _stop_ext(parent, overrides)
+                exts, locals_ = _blocks_of(run, lengths[slot.bit], overrides)
                 events.append(
-                    RouterEvent(
-                        slot.key[0],
-                        slot.key[1],
-                        len(events),
-                        DEVICE,
-                        Stored(parent_hash, exts, [n.local for n in covered]),
-                    )
+                    RouterEvent(slot.key[0], slot.key[1], len(events), DEVICE, Stored(parent_hash, exts, locals_))
                 )
         for tier in LOWER_TIERS:
             event_id = 0
@@ -1012,22 +1234,121 @@ class PrefixTree:
         return events
 
 
+def _blocks_of(path: list[Any], length: int, overrides: dict[Node, int]) -> tuple[list[int], list[int]]:
+    """One slot's external and local hashes of the first `length` blocks of `path`, a list of
+    single-child nodes and chains."""
+    exts: list[int] = []
+    locals_: list[int] = []
+    for member in path:
+        if length <= 0:
+            break
+        if member.__class__ is Chain:
+            exts.extend(member.exts[:length].tolist())
+            locals_.extend(member.locals[:length].tolist())
+            length -= len(member)
+        else:
+            exts.append(overrides.get(member, member.ext) if overrides else member.ext)
+            locals_.append(member.local)
+            length -= 1
+    return exts, locals_
+
+
+def _u64_array(values: Sequence[int]) -> array:
+    """`values` (u64, or i64 read as u64) packed."""
+    try:
+        return array("Q", values)
+    except OverflowError:
+        return array("Q", to_unsigned_list(values))
+
+
+def _extend_chain(chain: Chain, exts: Sequence[int], locals_: Sequence[int]) -> None:
+    chain.locals.extend(_u64_array(locals_))
+    chain.exts.extend(_u64_array(exts))
+    chain.forget_forms()
+
+
+def _chain_prefix(chain: Chain, block_hashes: Sequence[int], tokens_hashes: Sequence[int], index: int) -> int:
+    """How many of `chain`'s first blocks the store's blocks from `index` on are, by local
+    hash and by name (0 when the first one's name differs: the caller matched its local)."""
+    size = min(len(chain), len(block_hashes) - index)
+    locals_ = _u64_array(tokens_hashes[index : index + size])
+    exts = _u64_array(block_hashes[index : index + size])
+    return min(_first_difference(locals_, chain.locals, size), _first_difference(exts, chain.exts, size))
+
+
+def _first_difference(ours: array, theirs: array, size: int) -> int:
+    """The first index < `size` where the arrays differ, else `size`: slice comparisons."""
+    if ours[:size] == theirs[:size]:
+        return size
+    low, high = 0, size - 1
+    while low < high:
+        middle = (low + high) >> 1
+        if ours[low : middle + 1] == theirs[low : middle + 1]:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def _adopt(parent: Node | Chain, child: Any) -> None:
+    """Make `parent` the parent of `child` (None, a node or chain, or a dict of them)."""
+    if child is None:
+        return
+    if child.__class__ is dict:
+        for member in child.values():
+            member.parent = parent
+    else:
+        child.parent = parent
+
+
+def _relink(parent: Node | Chain, old: Node | Chain, new: Node | Chain) -> None:
+    """Put `new` where `old` was among `parent`'s children (both start with the same block)."""
+    siblings = parent.child
+    if siblings is old:
+        parent.child = new
+    else:
+        siblings[new.local] = new
+
+
+def _stop_ext(node: Any, overrides: dict[Node, int]) -> int:
+    """The external hash, for one slot, of the last block a stop's slots hold: a `Node`, a
+    `Chain` (its last block) or a (chain, index) point inside one."""
+    kind = node.__class__
+    if kind is Node:
+        return overrides.get(node, node.ext) if overrides else node.ext
+    if kind is Chain:
+        return node.exts[-1]
+    chain, index = node
+    return chain.exts[index]
+
+
 def _consistent(
-    blocks: dict[int, Node], start: Node, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
+    blocks: dict[int, Any], start: Node, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
 ) -> bool:
-    """Whether every hash the slot already uses names the very node the store walks to."""
-    node: Node | None = start
+    """Whether every hash the slot already uses names the very block the store walks to."""
+    piece: Any = start
+    index = 0  # the block of `piece` the walk is at
     for ext, local in zip(block_hashes, tokens_hashes):
-        if node is not None:
-            child = node.child
-            if child is None:
-                node = None
-            elif child.__class__ is Node:
-                node = child if child.local == local else None
+        if piece is not None:
+            if piece.__class__ is Chain and index + 1 < len(piece):
+                index += 1
+                if piece.locals[index] != local:
+                    piece = None
             else:
-                node = child.get(local)
+                child = piece.child
+                index = 0
+                if child is None:
+                    piece = None
+                elif child.__class__ is Node:
+                    piece = child if child.local == local else None
+                elif child.__class__ is Chain:
+                    piece = child if child.locals[0] == local else None
+                else:
+                    piece = child.get(local)
         known = blocks.get(ext)
-        if known is not None and known is not node:
+        if known is not None and (
+            known is not piece or (piece.__class__ is Chain and piece.exts[index] != ext)
+        ):
             return False
     return True
 
@@ -1119,6 +1440,6 @@ def _children(node: Node) -> list[Node]:
     child = node.child
     if child is None:
         return []
-    if child.__class__ is Node:
-        return [child]
-    return list(child.values())
+    if child.__class__ is dict:
+        return list(child.values())
+    return [child]
