@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import cores, indexer_http, report, slot_tracker_http, zmq_ingest
+from . import cores, indexer_http, memory, report, slot_tracker_http, zmq_ingest
 from .runner import Results, Settings, machine_facts, progress
 from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu, reference_python
 from .wrk import ensure_wrk
@@ -34,16 +34,20 @@ SCENARIOS = {
     "scale_potential_loads": "/potential_loads at 10 / 1k / 10k active requests x 16 / 256 ranks (c=64)",
     "query_by_hash": "indexer POST /query_by_hash, 512 hashes, 16 workers, ~1M pairs from the Mooncake trace",
     "scale_query_by_hash": "/query_by_hash at ~10k and ~1M indexed pairs (c=64)",
-    "memory": "indexer RSS per indexed (block, worker) pair at ~1M pairs",
+    "index_memory": "indexer RSS per (block, worker) pair and per distinct block, fresh servers filled "
+                    "over ZMQ in 16 synced parts: 8 workers half shared, and 1 worker, ~1M pairs",
+    "slot_tracker_memory": "slot tracker RSS per (request, hash) and per request at 1k and 10k active requests",
     "events": "indexer /events ingest in blocks/s, 64-block stored events",
     "zmq_ingest": "indexers subscribed to 16 vLLM engines over ZMQ: ingest in blocks/s, 64-block batches",
     "query_while_ingesting": "/query_by_hash p50 at c=1, idle and while 16 engines publish 200k blocks/s",
+    "ingest_pauses": "longest /query_by_hash latency (and p99) while 16 engines publish ~1M pairs, and idle",
     "cores": "the pure cores' hot paths in microseconds (bench/cores.py), on the server CPU",
 }
 GROUPS = {
     "slot_tracker": ("health", "loads", "potential_loads", "lifecycle"),
-    "indexer": ("query_by_hash", "memory", "events", "zmq_ingest", "query_while_ingesting"),
-    "scaling": ("scale_potential_loads", "scale_query_by_hash", "memory"),
+    "indexer": ("query_by_hash", "index_memory", "events", "zmq_ingest", "query_while_ingesting", "ingest_pauses"),
+    "scaling": ("scale_potential_loads", "scale_query_by_hash", "index_memory", "slot_tracker_memory"),
+    "memory": ("index_memory", "slot_tracker_memory"),
 }
 
 
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         slot_tracker_http.run(results, args.selected, ref_python)
         indexer_http.run(results, args.selected, ref_python)
         zmq_ingest.run(results, args.selected, ref_python)
+        memory.run(results, args.selected, ref_python)
         cores.run(results, args.selected)
     finally:
         results.meta["wall_s"] = time.monotonic() - started

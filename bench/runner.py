@@ -60,7 +60,10 @@ class Results:
     meta: dict[str, Any] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)
     ingest: list[dict[str, Any]] = field(default_factory=list)
-    memory: list[dict[str, Any]] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)  # the old one-shot index memory row
+    index_memory: list[dict[str, Any]] = field(default_factory=list)  # bench/memory.py, per fill and role
+    tracker_memory: list[dict[str, Any]] = field(default_factory=list)  # per role and active requests
+    pauses: list[dict[str, Any]] = field(default_factory=list)  # query latency idle / while ingesting
     profiles: list[dict[str, Any]] = field(default_factory=list)
     cores: list[dict[str, Any]] = field(default_factory=list)  # {"name", "us"}: bench/cores.py
     notes: list[str] = field(default_factory=list)
@@ -75,7 +78,8 @@ class Results:
 
     def to_json(self) -> dict[str, Any]:
         return {"settings": self.settings.__dict__, "meta": self.meta, "runs": self.runs, "ingest": self.ingest,
-                "memory": self.memory, "profiles": self.profiles, "cores": self.cores, "notes": self.notes}
+                "memory": self.memory, "index_memory": self.index_memory,
+                "tracker_memory": self.tracker_memory, "pauses": self.pauses, "profiles": self.profiles, "cores": self.cores, "notes": self.notes}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")

@@ -67,28 +67,73 @@ def test_targets_judge_ratios_from_medians() -> None:
     assert rows["loads: ≥ 0.7× the reference (c=64)"] == ("—", "not measured")
 
 
+def _index_row(fill: str, role: str, per_pair: float) -> dict:
+    return {"fill": fill, "role": role, "workers": 8, "pairs": 1_000_000, "distinct_blocks": 562_500,
+            "rss_before": 0, "rss_after": int(per_pair * 1_000_000), "fill_s": 2.0, "bytes_per_pair": per_pair,
+            "bytes_per_block": per_pair * 1_000_000 / 562_500}
+
+
+def _tracker_row(role: str, requests: int, per_hash: float) -> dict:
+    return {"role": role, "requests": requests, "hashes": requests * 256, "rss_before": 0,
+            "rss_after": int(per_hash * requests * 256), "bytes_per_request_hash": per_hash,
+            "bytes_per_request": per_hash * 256}
+
+
 def test_memory_and_ingest_targets() -> None:
     data = _data(
-        memory=[{"role": "ours", "pairs": 1_000_000, "rss_empty": 0, "rss_filled": 150_000_000,
-                 "bytes_per_pair": 150.0}],
+        index_memory=[_index_row("8 workers, half shared", "ours", 150.0)],
+        tracker_memory=[_tracker_row("ours", 1_000, 40.0)],
         ingest=[{"role": "ours", "detail": "1 event per POST", "rep": rep, "blocks": 64_000, "seconds": 1.0,
                  "blocks_per_s": rate} for rep, rate in ((1, 250_000), (2, 350_000), (3, 310_000))],
     )
     rows = {target: (measured, verdict) for target, measured, verdict in report.targets(data)}
-    assert rows["memory ≤ 200 B per indexed (block, worker) pair at 1M"][1] == "**met**"
+    assert rows["index memory ≤ 1.0× the reference per (block, worker) pair (8 workers, half shared)"] == (
+        "—", "not measured")
+    assert rows["slot tracker memory ≤ 2.0× the reference per (request, hash) at 1,000 active requests"][1] == (
+        "not measured")
     assert rows["/events ≥ 300,000 blocks/s (1 event per POST)"] == ("310,000 blocks/s", "**met**")
-    data["memory"].append({"role": "reference", "pairs": 1_000_000, "rss_empty": 0, "rss_filled": 0,
-                           "bytes_per_pair": 140.0})
+    data["index_memory"] += [_index_row("8 workers, half shared", "reference", 75.0),
+                             _index_row("1 worker", "ours", 90.0), _index_row("1 worker", "reference", 100.0)]
+    data["tracker_memory"] += [_tracker_row("reference", 1_000, 16.0), _tracker_row("ours", 10_000, 30.0),
+                               _tracker_row("reference", 10_000, 16.0)]
+    data["pauses"] = [{"role": role, "state": state, "pairs": 1_000_000, "seconds": 2.0, "queries": 100,
+                       "errors": 0, "max_ms": longest, "p99_ms": 1.0, "p50_ms": 0.1}
+                      for role, state, longest in (("ours", "idle", 1.0), ("ours", "ingesting", 7.5),
+                                                   ("reference", "ingesting", 80.0))]
     data["ingest"].append({"role": "reference", "detail": "ZMQ, 16 engines", "rep": 1, "blocks": 64_000,
                            "seconds": 1.0, "blocks_per_s": 300_000})
     data["cores"] = [{"name": "query_by_hash, 512 hashes, 16 workers", "us": 31.5}]
     rows = {target: (measured, verdict) for target, measured, verdict in report.targets(data)}
-    assert rows["memory ≤ the reference’s per indexed (block, worker) pair at 1M"] == (
-        "150 B (RSS growth, 1,000,000 pairs) vs 140 B", "**not met**")
+    assert rows["index memory ≤ 1.0× the reference per (block, worker) pair (8 workers, half shared)"] == (
+        "2.00× (150 vs 75 B, 1,000,000 pairs)", "**not met**")
+    assert rows["index memory ≤ 1.0× the reference per (block, worker) pair (1 worker)"][1] == "**met**"
+    # Judged at the most active requests measured.
+    assert rows["slot tracker memory ≤ 2.0× the reference per (request, hash) at 10,000 active requests"] == (
+        "1.88× (30.0 vs 16.0 B)", "**met**")
+    assert rows["longest `/query_by_hash` pause while ingesting ~1.0M pairs ≤ 5 ms (median over repetitions)"] == (
+        "7.5 ms; reference 80.0 ms", "**not met**")
     assert rows["/events ingest ≥ 1.0× the reference's ZMQ ingest (1 event per POST)"] == (
         "1.03× (310,000 vs 300,000 blocks/s)", "**met**")
     assert rows["core: query_by_hash, 512 hashes, 16 workers ≤ 30 µs"] == ("31.5 µs", "**not met**")
     assert rows["core: potential_loads, 512 hashes, 16 ranks ≤ 40 µs"] == ("—", "not measured")
+    text = report.render(data)
+    assert "## Index memory, both sides fed the same paced ZMQ stream" in text
+    assert "| 1 worker | ours | 1,000,000 | 562,500 | 0 → 86 MiB | 90 | 160 | 0.90× |" in text
+    assert "| ours | 10,000 | 0 → 73 MiB | 30.0 | 7.5 | 1.88× |" in text
+    assert "| ingesting | ours | 1 | 100 | 7.50 | — | 1.00 | 0.10 | 2.0 | — | — |" in text
+    data["pauses"] += [{**data["pauses"][1], "rep": 2, "max_ms": 3.0}, {**data["pauses"][1], "rep": 3, "max_ms": 4.0}]
+    rows = {target: (measured, verdict) for target, measured, verdict in report.targets(data)}
+    assert rows["longest `/query_by_hash` pause while ingesting ~1.0M pairs ≤ 5 ms (median over repetitions)"] == (
+        "4.0 ms (repetitions: 7.5, 3.0, 4.0); reference 80.0 ms", "**met**")
+
+
+def test_old_results_without_the_memory_rows_still_render() -> None:
+    data = _data()
+    for key in ("index_memory", "tracker_memory", "pauses"):
+        data.pop(key, None)
+    rows = {target: verdict for target, _, verdict in report.targets(data)}
+    assert rows["index memory ≤ 1.0× the reference per (block, worker) pair"] == "not measured"
+    assert "## Index memory" not in report.render(data)
 
 
 def test_rewriting_keeps_the_written_explanation(tmp_path) -> None:
