@@ -44,12 +44,14 @@ Chains: a run of blocks in two arrays
 Engines store blocks in runs (a batch, a request's prompt), and most blocks of an index are
 in long stretches that nothing branches from and that the same workers hold. An unlimited tree
 (`chains`, the default without `max_blocks`) stores such a stretch as one `Chain`: the local
-and the external hashes as two u64 arrays, one holders mask, one dormant mask. A store past the
-end of the tree makes a chain (or, when the slot goes on with a chain only it holds, extends it
-in place: two array extends and one dict update for the whole batch), and each slot's map sends
-every one of the chain's external hashes to the chain. Memory per block: 16 B in the arrays
-plus the slot's map entry and its int key, against a 64 B node and two int objects before
-(`python -m bench.indexer_core`: 102 against 194 B per block, one worker).
+hashes as a u64 array, the external hashes as a list of the int objects that every holder's
+map uses as keys, one holders mask, one dormant mask. A store past the end of the tree makes a
+chain (or, when the slot goes on with a chain only it holds, extends it in place: two extends
+and one dict update for the whole batch), and each slot's map sends every one of the chain's
+external hashes to the chain. Memory per block: 8 B of local hash, 8 B of list entry, the
+external hash's int object (shared by all holders) and a map entry per holder, against a 64 B
+node and two int objects before (`python -m bench.indexer_core`: 102 against 194 B per block,
+one worker).
 
 Everything else sees a chain as one node: its blocks share holders and dormancy, so walks,
 `_promote` and `_demote` treat it whole, and a match compares the query with its hashes a slice
@@ -157,7 +159,10 @@ class Chain(msgspec.Struct, gc=False, eq=False):
     diverges inside it) cuts it first (`PrefixTree._split`, `PrefixTree._isolate`)."""
 
     locals: array  # u64 ('Q'), one per block
-    exts: array  # u64 ('Q'): every holder's external hash of the block
+    # Every holder's external hash of each block, as int objects: each holder's map has them as
+    # keys, and a list lets all holders share one object per block (an array would make each
+    # map keep a copy: 40 B per (block, holder) more when workers share prefixes).
+    exts: list[int]
     parent: Any
     holders: int
     child: Any = None
@@ -580,7 +585,10 @@ class PrefixTree:
                             _extend_chain(node, exts, tokens_hashes[index:])
                         else:
                             node.child = node = Chain(
-                                _u64_array(tokens_hashes[index:]), _u64_array(exts), node, bit
+                                _u64_array(tokens_hashes[index:]),
+                                exts if exts.__class__ is list else list(exts),
+                                node,
+                                bit,
                             )
                         blocks.update(zip(exts, repeat(node)))
                         break
@@ -612,7 +620,7 @@ class PrefixTree:
                     # for this slot: take them as one.
                     if matched < len(child):
                         self._split(child, matched)
-                    self._take_chain(slot, child, block_hashes[index : index + matched], active)
+                    self._take_chain(slot, child, active)
                     node = child
                     index += matched
                     continue
@@ -649,8 +657,8 @@ class PrefixTree:
                 self._evict_device()
         return StoreStatus.STORED
 
-    def _take_chain(self, slot: WorkerSlot, chain: Chain, exts: Sequence[int], active: bool) -> None:
-        """The slot stores every block of `chain` (named `exts`, equal to `chain.exts`)."""
+    def _take_chain(self, slot: WorkerSlot, chain: Chain, active: bool) -> None:
+        """The slot stores every block of `chain` (which it names as `chain.exts` does)."""
         bit = slot.bit
         holders = chain.holders
         if holders & bit:
@@ -664,7 +672,7 @@ class PrefixTree:
                 self._promote(chain, bit)
         else:
             dormant[chain] = dormant.get(chain, 0) | bit
-        slot.blocks.update(zip(exts, repeat(chain)))
+        slot.blocks.update(zip(chain.exts, repeat(chain)))
 
     def _split(self, chain: Chain, size: int) -> Chain:
         """Cut `chain` after its first `size` blocks (0 < size < len): it keeps them, and the
@@ -708,7 +716,7 @@ class PrefixTree:
         """Make the slots of `mask` find `piece`'s blocks in their maps (they name them alike)."""
         by_bit = self._by_bit
         if piece.__class__ is Chain:
-            names = piece.exts.tolist()
+            names = piece.exts
             while mask:
                 low = mask & -mask
                 by_bit[low].blocks.update(zip(names, repeat(piece)))
@@ -1243,7 +1251,7 @@ def _blocks_of(path: list[Any], length: int, overrides: dict[Node, int]) -> tupl
         if length <= 0:
             break
         if member.__class__ is Chain:
-            exts.extend(member.exts[:length].tolist())
+            exts.extend(member.exts[:length])
             locals_.extend(member.locals[:length].tolist())
             length -= len(member)
         else:
@@ -1263,7 +1271,7 @@ def _u64_array(values: Sequence[int]) -> array:
 
 def _extend_chain(chain: Chain, exts: Sequence[int], locals_: Sequence[int]) -> None:
     chain.locals.extend(_u64_array(locals_))
-    chain.exts.extend(_u64_array(exts))
+    chain.exts.extend(exts)
     chain.forget_forms()
 
 
@@ -1272,12 +1280,15 @@ def _chain_prefix(chain: Chain, block_hashes: Sequence[int], tokens_hashes: Sequ
     hash and by name (0 when the first one's name differs: the caller matched its local)."""
     size = min(len(chain), len(block_hashes) - index)
     locals_ = _u64_array(tokens_hashes[index : index + size])
-    exts = _u64_array(block_hashes[index : index + size])
+    exts = block_hashes[index : index + size]
+    if exts.__class__ is not list:
+        exts = list(exts)
     return min(_first_difference(locals_, chain.locals, size), _first_difference(exts, chain.exts, size))
 
 
-def _first_difference(ours: array, theirs: array, size: int) -> int:
-    """The first index < `size` where the arrays differ, else `size`: slice comparisons."""
+def _first_difference(ours: Any, theirs: Any, size: int) -> int:
+    """The first index < `size` where two arrays (or two lists) differ, else `size`: slice
+    comparisons."""
     if ours[:size] == theirs[:size]:
         return size
     low, high = 0, size - 1
