@@ -689,11 +689,29 @@ class PrefixTree:
 
     def _isolate(self, chain: Chain, index: int) -> Node:
         """Replace block `index` of `chain` by a `Node` of its own (the chain's blocks before
-        and after it stay chains), for code that works on one block; returns the node."""
-        if index + 1 < len(chain):
+        and after it stay chains), for code that works on one block; returns the node. The
+        first or the last block costs O(1) map updates; one inside, those of the blocks after
+        it."""
+        size = len(chain)
+        if size > 1:
+            if index == size - 1:
+                node = Node(chain.locals.pop(), chain.exts.pop(), chain, chain.holders, chain.child)
+                _adopt(node, chain.child)
+                chain.child = node
+                chain.forget_forms()
+                self._hand_over(chain, node, keep=True)
+                return node
+            if index == 0:
+                node = Node(chain.locals[0], chain.exts[0], chain.parent, chain.holders, chain)
+                _relink(chain.parent, chain, node)
+                chain.parent = node
+                del chain.locals[0]
+                del chain.exts[0]
+                chain.forget_forms()
+                self._hand_over(chain, node, keep=True)
+                return node
             self._split(chain, index + 1)
-        if index:
-            chain = self._split(chain, index)
+            return self._isolate(chain, index)
         node = Node(chain.locals[0], chain.exts[0], chain.parent, chain.holders, chain.child)
         _adopt(node, chain.child)
         _relink(chain.parent, chain, node)
@@ -832,6 +850,20 @@ class PrefixTree:
                 unknown += 1
                 continue
             if node.__class__ is Chain:
+                if (
+                    node.holders == bit
+                    and node.child is None
+                    and node.exts[-1] == ext
+                    and len(node) > 1
+                    and not (dormant and node in dormant)
+                ):
+                    # The last block of a chain only this slot holds (tail-first eviction):
+                    # the chain just gets shorter.
+                    node.locals.pop()
+                    node.exts.pop()
+                    node.forget_forms()
+                    del blocks[ext]
+                    continue
                 node = self._isolate(node, node.exts.index(ext))
             del blocks[ext]
             if overrides:
