@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -113,6 +114,17 @@ def validate_endpoint(endpoint: str, what: str = "ZMQ endpoint") -> str:
     else:
         raise InvalidArgument(f"invalid {what} `{endpoint}`: scheme must be tcp, ipc or inproc")
     return endpoint
+
+
+def _handshake_failure(event: int, value: int) -> str:
+    """What a HANDSHAKE_FAILED_* monitor event's value means."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"authentication refused (status {value})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"ZMTP protocol error {value:#x}"
+    if value in (errno.EAGAIN, errno.ETIMEDOUT):  # libzmq's handshake timer expired
+        return f"no answer within {HANDSHAKE_TIMEOUT_MS / 1000:g} s"
+    return os.strerror(value) if value else "the connection closed"
 
 
 @dataclass(slots=True)
@@ -309,9 +321,8 @@ class EngineListener:
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._set_state("active", None)
         elif event & _HANDSHAKE_FAILED:
-            detail = os.strerror(value) if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value else (
-                "authentication refused" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else f"protocol error {value:#x}")
-            self._set_state("connecting", f"no ZMQ handshake with {endpoint} (is it an engine's publisher?): {detail}")
+            self._set_state("connecting", f"no ZMQ handshake with {endpoint} (is it an engine's publisher?): "
+                                          f"{_handshake_failure(event, value)}")
         elif event == zmq.EVENT_DISCONNECTED:
             if self.status == "active":
                 self._set_state("connecting", f"{endpoint} closed the connection; reconnecting")
