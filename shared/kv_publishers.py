@@ -406,6 +406,11 @@ class EnginePublisher:
         self.seq = 0  # the seq the next publish uses
         self.subscribers = 0  # net subscriptions seen by `wait_for_subscribers`
         self.replay_requests = 0  # valid replay requests received (read it after a replay ends)
+        # Seconds between two replayed messages: an engine whose publisher thread answers a
+        # replay in pieces while it also publishes (the answer spreads over time).
+        self.replay_pause_secs = 0.0
+        self._answering = threading.Event()  # cleared by `hold_replays`
+        self._answering.set()
         self._encoder = msgspec.msgpack.Encoder()
         self._drop = 0
         self._closed = False
@@ -522,28 +527,49 @@ class EnginePublisher:
 
     # --- replay ------------------------------------------------------------------------------
 
+    def hold_replays(self) -> None:
+        """Take replay requests (counted in `replay_requests`) but answer none until
+        `release_replays`: the moment between a subscriber asking and the answer is then the
+        caller's, e.g. to stop the subscriber's process before the answer reaches it."""
+        self._answering.clear()
+
+    def release_replays(self) -> None:
+        """Answer the requests held since `hold_replays`, in order, and the next ones at once."""
+        self._answering.set()
+
     def _serve_replay(self) -> None:
         """Replay thread: answer requests until `close`, then close the ROUTER socket."""
         router = self._router
         assert router is not None
+        held: list[tuple[bytes, int]] = []  # requests taken while `hold_replays` is on
         try:
             while not self._stop.is_set():
+                if held and self._answering.is_set():
+                    for identity, start_seq in held:
+                        self._answer_replay(router, identity, start_seq)
+                    held.clear()
                 if not router.poll(20, zmq.POLLIN):
                     continue
                 request = router.recv_multipart()
                 if len(request) != 3:
                     continue  # the engines log "Invalid replay request" and ignore it
                 identity, _, start = request
-                start_seq = int.from_bytes(start, "big")
                 with self._lock:
                     self.replay_requests += 1
-                    batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
-                for seq, payload in batches:
-                    router.send_multipart(self._replay_frames(identity, self.topic, seq.to_bytes(8, "big"), payload))
-                # The end marker's topic frame (where there is one) is empty, not the topic.
-                router.send_multipart(self._replay_frames(identity, b"", END_SEQ, b""))
+                held.append((identity, int.from_bytes(start, "big")))
         finally:
             router.close(linger=0)
+
+    def _answer_replay(self, router: zmq.Socket, identity: bytes, start_seq: int) -> None:
+        """Every buffered batch from `start_seq` on, as the buffer is now, then the end marker."""
+        with self._lock:
+            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
+        for seq, payload in batches:
+            router.send_multipart(self._replay_frames(identity, self.topic, seq.to_bytes(8, "big"), payload))
+            if self.replay_pause_secs and self._stop.wait(self.replay_pause_secs):
+                return
+        # The end marker's topic frame (where there is one) is empty, not the topic.
+        router.send_multipart(self._replay_frames(identity, b"", END_SEQ, b""))
 
     def _replay_frames(self, identity: bytes, topic: bytes, seq: bytes, payload: bytes) -> list[bytes]:
         if self.fmt.replay_has_topic:

@@ -30,7 +30,7 @@ from .jetstream import (
     DEFAULT_SUBJECT_PREFIX,
     StreamSettings,
 )
-from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Subscription, validate_endpoint
+from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, REPLAY_ATTEMPTS, Subscription, validate_endpoint
 
 DEFAULT_PORT = 8090
 
@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> None:
         "--replay-timeout-secs",
         type=positive_float,
         default=DEFAULT_REPLAY_TIMEOUT_SECS,
-        help="how long a listener waits for an engine to finish answering a replay request before it "
-        "counts the missing batches as lost",
+        help="how long a listener waits for the next answer to a replay request (time this process is "
+        f"stopped does not count) before it asks again; after {REPLAY_ATTEMPTS} requests the batches still "
+        "missing count as lost",
     )
     add_replica_arguments(parser)
     args = parse_args(parser, argv)

@@ -470,6 +470,8 @@ class StreamReplica:
             level = logging.INFO if kind in (replication.REGISTER, replication.UNREGISTER) else logging.WARNING
             if self.counts.refused <= 10 or self.counts.refused % 1000 == 0:
                 logger.log(level, "stream seq %d (%s) refused: %s", sequence, kind, applied.error.message)
+        if applied.listener is not None and applied.report is not None:
+            self.listeners.count_applied(applied.listener, applied.report)  # /workers as without NATS
         for subscription in applied.subscribe:
             self._listen(subscription)
         if applied.unsubscribe:

@@ -15,7 +15,11 @@ Sequence numbers (one per batch, counting from 0 per publisher socket) decide wh
   `[b"", seq, payload]` (older vLLM) or `[b"", topic, seq, payload]` (vLLM 0.33, SGLang) per
   buffered batch, then an end marker of seq -1 with an empty payload), applies them in order,
   then the live batch. Whatever the engine no longer has, or everything without a replay
-  endpoint, is counted as lost;
+  endpoint, is counted as lost. The replay deadline (`replay_timeout_secs`) runs from the last
+  answer received, and only while this process runs: a listener paused (SIGSTOP, a VM
+  migration, memory pressure) for longer finds the answers waiting and reads them. An engine
+  that stays silent that long is asked again from the first batch still missing, a few times
+  with backoff (`REPLAY_ATTEMPTS`), before what it did not deliver is counted as lost;
 * a number at or below the last one applied cannot be a repeat (PUB/SUB does not deliver a
   message twice): the engine restarted and counts from 0 again. Its old blocks are gone with
   it, so every rank this listener feeds is reset (blocks and watermark) and rebuilt from what
@@ -30,16 +34,26 @@ A batch that does not decode is dropped whole and counted; it still advances the
 replay would only deliver it again). Counters per listener show in `/workers`, their totals in
 `/metrics`.
 
+Status: `connecting` until the engine has answered the ZMQ handshake (an open TCP connection is
+not an engine: anything may accept it), `active` from then on (or from the first batch), back
+to `connecting` while ZMQ reconnects, with the reason in `error` (refused, handshake failed,
+disconnected) until the engine answers again; `error` when the listener stopped. Each change
+is logged once, not every reconnection attempt.
+
 With replicas (`--nats`), a listener applies nothing itself: it hands each batch it decoded,
 and each restart it noticed, to a `BatchPublisher` (the replica's stream), and every replica
-applies them from there. It decides what is new, replays and counts exactly as above.
+applies them from there. It decides what is new, replays and counts exactly as above, except
+`events` and `rejected`: only the index can tell them apart, so each replica counts them
+when it applies the batch from the stream (`Listeners.count_applied`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import re
 import time
 from collections import Counter
@@ -54,7 +68,7 @@ from zmq.utils.monitor import parse_monitor_message
 from dynamo_lite.errors import InvalidArgument, NotFound
 
 from .engine_events import DecodedBatch, MalformedBatch, decode_batch
-from .state import Indexer
+from .state import ApplyReport, Indexer
 from .tree import WorkerKey
 
 logger = logging.getLogger("dynamo_lite.indexer.listeners")
@@ -64,11 +78,22 @@ STATUSES: Final[tuple[Status, ...]] = ("connecting", "active", "error", "closed"
 
 END_OF_REPLAY: Final = b"\xff" * 8  # seq -1 as 8 bytes, signed big-endian
 DEFAULT_REPLAY_TIMEOUT_SECS: Final = 5.0
+REPLAY_ATTEMPTS: Final = 3  # requests for one gap before the batches still missing count as lost
+REPLAY_BACKOFF_SECS: Final = 0.5  # before the second request; doubled before each next one
+# The replay deadline advances in slices of waiting: a slice that took longer than this (the
+# process was stopped in it) counts for no more, so a pause never uses the deadline up.
+REPLAY_WAIT_SLICE_SECS: Final = 0.1
+# A ZMQ peer answers the handshake at once; a TCP listener that says nothing for this long is
+# not an engine publisher (libzmq's default is 30 s).
+HANDSHAKE_TIMEOUT_MS: Final = 5_000
 MONITOR_EVERY: Final = 256  # live batches between two looks at the connection events while busy
 # A SUB socket's queue while the loop is busy elsewhere (a replay, a burst of queries): as deep
 # as vLLM's and SGLang's own publisher high-water mark, so a burst is queued, not dropped.
 RECEIVE_HIGH_WATER_MARK: Final = 100_000
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+_HANDSHAKE_FAILED: Final = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                             | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_MONITORED = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+              | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
 
 _TCP: Final = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]\s]+):(\d{1,5})$")
 
@@ -91,6 +116,17 @@ def validate_endpoint(endpoint: str, what: str = "ZMQ endpoint") -> str:
     return endpoint
 
 
+def _handshake_failure(event: int, value: int) -> str:
+    """What a HANDSHAKE_FAILED_* monitor event's value means."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"authentication refused (status {value})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"ZMTP protocol error {value:#x}"
+    if value in (errno.EAGAIN, errno.ETIMEDOUT):  # libzmq's handshake timer expired
+        return f"no answer within {HANDSHAKE_TIMEOUT_MS / 1000:g} s"
+    return os.strerror(value) if value else "the connection closed"
+
+
 @dataclass(slots=True)
 class ListenerCounts:
     """What listeners saw; one per listener, and one for the totals since start-up."""
@@ -104,7 +140,7 @@ class ListenerCounts:
     lost_batches: int = 0  # batches of those jumps that no replay delivered
     replays: int = 0  # replay requests sent
     replayed_batches: int = 0
-    replay_failures: int = 0  # requests the engine did not finish answering in time
+    replay_failures: int = 0  # replays given up: REPLAY_ATTEMPTS requests left unfinished
     restarts: int = 0  # engine restarts detected
 
 
@@ -164,6 +200,7 @@ class EngineListener:
         self.first_seq: int | None = None  # the first sequence number received
         self.last_batch_at: float | None = None  # time.time() of the last applied batch
         self._fed: set[WorkerKey] = {subscription.key}  # ranks this listener's batches named
+        self._tcp_up = False  # a TCP connection opened since the last reconnection attempt
         self._dealer: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -219,6 +256,7 @@ class EngineListener:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
         monitor = sub.get_monitor_socket(_MONITORED)
         # The asyncio sockets wait; reads go through plain shadows of them, which return frames
         # (or raise Again) instead of a Future per message.
@@ -273,19 +311,44 @@ class EngineListener:
                 frames = monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            event = parse_monitor_message(frames)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self.status = "active"
-                self.error = None
-            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED) and self.status != "error":
-                self.status = "connecting"
+            message = parse_monitor_message(frames)
+            self._on_connection_event(message["event"], message["value"])
+
+    def _on_connection_event(self, event: int, value: int) -> None:
+        endpoint = self.subscription.endpoint
+        if event == zmq.EVENT_CONNECTED:
+            self._tcp_up = True  # not yet an engine: `active` waits for the handshake
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._set_state("active", None)
+        elif event & _HANDSHAKE_FAILED:
+            self._set_state("connecting", f"no ZMQ handshake with {endpoint} (is it an engine's publisher?): "
+                                          f"{_handshake_failure(event, value)}")
+        elif event == zmq.EVENT_DISCONNECTED:
+            if self.status == "active":
+                self._set_state("connecting", f"{endpoint} closed the connection; reconnecting")
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            if not self._tcp_up:
+                self._set_state("connecting", f"cannot connect to {endpoint}: refused or unreachable; retrying")
+            self._tcp_up = False
+
+    def _set_state(self, status: Status, error: str | None) -> None:
+        """Change the connection state, logging only a change (ZMQ retries every few hundred ms)."""
+        if self.status == "error" or (status, error) == (self.status, self.error):
+            return  # a stopped listener keeps the reason it stopped
+        self.status, self.error = status, error
+        sub = self.subscription
+        if error is None:
+            logger.info("worker %d dp_rank %d: %s is %s", sub.worker_id, sub.dp_rank, sub.endpoint, status)
+        else:
+            logger.warning("worker %d dp_rank %d: %s", sub.worker_id, sub.dp_rank, error)
 
     async def _receive(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self._count_failure(f"unexpected message: {len(frames)} frames"
                                 + (f", a {len(frames[1])}-byte seq frame" if len(frames) == 3 else ""))
             return
-        self.status = "active"
+        if self.status != "active":
+            self._set_state("active", None)  # a batch arrived before its handshake event was read
         seq = int.from_bytes(frames[1], "big")
         if self.first_seq is None:
             await self._join(seq)
@@ -348,7 +411,7 @@ class EngineListener:
             batch = self._decode(seq, payload)
         if batch is not None and self.publisher is not None:
             await self.publisher.publish_batch(self.subscription, seq, payload)
-            self._counted(batch, len(batch.events))
+            self._counted(batch, 0)  # its events are counted when the stream applies it (`Listeners.count_applied`)
         elif batch is not None:
             await asyncio.sleep(0)
             async with self.turn:
@@ -398,7 +461,34 @@ class EngineListener:
     async def _replay(self, start: int, end: int, *, count_lost: bool = True) -> None:
         """Apply the engine's buffered batches numbered start..end-1 that are still new. Those
         the engine no longer has are counted as lost (when `count_lost`; not for the history of
-        an engine that ran before this listener subscribed)."""
+        an engine that ran before this listener subscribed), and so are those it did not deliver
+        in `REPLAY_ATTEMPTS` requests."""
+        sub = self.subscription
+        backoff = REPLAY_BACKOFF_SECS
+        for attempt in range(1, REPLAY_ATTEMPTS + 1):
+            first = self._first_missing(start)
+            if first >= end:
+                return  # every batch arrived; only the end marker did not
+            self._count("replays")
+            if await self._request_replay(first, end, count_lost):
+                return
+            if attempt < REPLAY_ATTEMPTS:
+                logger.warning("worker %d dp_rank %d: no answer from %s for %.1f s to a replay from seq %d; "
+                               "asking again in %.1f s", sub.worker_id, sub.dp_rank, sub.replay_endpoint,
+                               self.replay_timeout_secs, first, backoff)
+                await asyncio.sleep(backoff)
+                backoff *= 2
+        self._count("replay_failures")
+        logger.warning("worker %d dp_rank %d: %s did not finish a replay from seq %d in %d requests; what it did "
+                       "not deliver counts as lost", sub.worker_id, sub.dp_rank, sub.replay_endpoint,
+                       self._first_missing(start), REPLAY_ATTEMPTS)
+
+    def _first_missing(self, start: int) -> int:
+        return start if self.last_seq is None or self.last_seq < start else self.last_seq + 1
+
+    async def _request_replay(self, start: int, end: int, count_lost: bool) -> bool:
+        """One request from `start`; True once the engine's end marker arrived, False when it
+        sent nothing for `replay_timeout_secs` of this process's running time."""
         sub = self.subscription
         assert sub.replay_endpoint is not None
         if self._dealer is None:
@@ -406,21 +496,26 @@ class EngineListener:
             self._dealer.setsockopt(zmq.LINGER, 0)
             self._dealer.connect(sub.replay_endpoint)
         dealer = self._dealer
-        self._count("replays")
+        reader = zmq.Socket.shadow(dealer.underlying)
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        deadline = time.monotonic() + self.replay_timeout_secs
         applied = 0
+        quiet = 0.0  # seconds waited since the last answer, pauses of the process not counted
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not await dealer.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-                # A late answer must not be read as the answer to the next request.
-                self._dealer.close(0)
-                self._dealer = None
-                self._count("replay_failures")
-                logger.warning("worker %d dp_rank %d: replay from seq %d not finished within %.1f s at %s",
-                               sub.worker_id, sub.dp_rank, start, self.replay_timeout_secs, sub.replay_endpoint)
-                return
-            frames = zmq.Socket.shadow(dealer.underlying).recv_multipart(zmq.NOBLOCK)
+            try:
+                frames = reader.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                # What has arrived is read before the deadline is looked at.
+                if quiet >= self.replay_timeout_secs:
+                    # A late answer must not be read as the answer to the next request.
+                    self._dealer.close(0)
+                    self._dealer = None
+                    return False
+                slice_secs = min(REPLAY_WAIT_SLICE_SECS, self.replay_timeout_secs - quiet)
+                waited_from = time.monotonic()
+                await dealer.poll(int(slice_secs * 1000) + 1, zmq.POLLIN)
+                quiet += min(time.monotonic() - waited_from, slice_secs)
+                continue
+            quiet = 0.0
             if frames and not frames[0]:
                 frames = frames[1:]  # the envelope delimiter
             if len(frames) == 3:
@@ -430,17 +525,18 @@ class EngineListener:
                 continue
             seq_frame, payload = frames
             if seq_frame == END_OF_REPLAY or not payload:
-                break
+                logger.info("worker %d dp_rank %d: replayed %d batches from seq %d", sub.worker_id, sub.dp_rank,
+                            applied, start)
+                return True
             seq = int.from_bytes(seq_frame, "big")
             if seq < start or seq >= end or (self.last_seq is not None and seq <= self.last_seq):
                 continue  # older than asked, or the live stream delivers it
-            expected = start if self.last_seq is None or self.last_seq < start else self.last_seq + 1
+            expected = self._first_missing(start)
             if seq > expected and count_lost:
                 self._count("lost_batches", seq - expected)  # the engine's buffer no longer has them
             await self._ingest(seq, payload)
             self._count("replayed_batches")
             applied += 1
-        logger.info("worker %d dp_rank %d: replayed %d batches from seq %d", sub.worker_id, sub.dp_rank, applied, start)
 
 
 class Listeners:
@@ -483,6 +579,15 @@ class Listeners:
 
     def get(self, key: WorkerKey) -> EngineListener | None:
         return self._listeners.get(key)
+
+    def count_applied(self, key: WorkerKey, report: ApplyReport) -> None:
+        """With replicas: what this replica's index made of a batch from rank `key`'s engine
+        when it applied it from the stream (the listener only published it, and could not tell
+        the events applied from those refused)."""
+        listener = self._listeners.get(key)
+        for counts in (self.totals,) if listener is None else (self.totals, listener.counts):
+            counts.events += report.applied
+            counts.rejected += report.rejected
 
     def __len__(self) -> int:
         return len(self._listeners)

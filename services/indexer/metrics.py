@@ -112,9 +112,10 @@ class ListenerCollector(Collector):
              "engine messages dropped whole: undecodable payload, wrong frame count or seq length"),
             ("gaps", totals.gaps, "jumps in an engine's batch sequence numbers"),
             ("lost_batches", totals.lost_batches, "batches of those jumps that no replay delivered"),
-            ("replays", totals.replays, "replay requests sent to engines"),
+            ("replays", totals.replays, "replay requests sent to engines, repeated ones included"),
             ("replayed_batches", totals.replayed_batches, "batches applied from replays"),
-            ("replay_failures", totals.replay_failures, "replay requests not answered in time"),
+            ("replay_failures", totals.replay_failures,
+             "replays given up: every request of one left unfinished for --replay-timeout-secs"),
             ("restarts", totals.restarts, "engine restarts detected (sequence numbers back to 0)"),
         ):
             yield CounterMetricFamily(zmq + name, text, value)

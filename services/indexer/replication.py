@@ -130,6 +130,7 @@ class Applied:
     report: Any = None  # ApplyReport (events, batch) or RoutedReport (routed)
     subscribe: list[Subscription] = field(default_factory=list)  # engines to listen to now
     unsubscribe: list[WorkerKey] = field(default_factory=list)  # ranks whose listeners stop
+    listener: WorkerKey | None = None  # a batch: the rank whose engine listener received it
 
 
 def apply(indexer: Indexer, kind: str, data: bytes) -> Applied:
@@ -141,7 +142,9 @@ def apply(indexer: Indexer, kind: str, data: bytes) -> Applied:
         if kind == EVENTS:
             applied.report = indexer.apply_events(decode_events_document(data))
         elif kind == BATCH:
-            applied.report = _apply_batch(indexer, _decoders[BATCH].decode(data))
+            batch = _decoders[BATCH].decode(data)
+            applied.listener = (batch.worker_id, batch.dp_rank)
+            applied.report = _apply_batch(indexer, batch)
         elif kind == RESET:
             reset = _decoders[RESET].decode(data)
             for worker_id, dp_rank in reset.ranks:
