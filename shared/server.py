@@ -409,8 +409,10 @@ class HttpConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.answered:
             return  # the rest of a refused body
-        self.body_size += len(body)
         endpoint = self.endpoint
+        if endpoint is not None and not endpoint.max_body:
+            return  # a route without a body (GET) ignores one sent anyway, as Dynamo 1.6.1 does
+        self.body_size += len(body)
         if endpoint is not None and self.body_size > endpoint.max_body:
             self._answer_early(*failure_answer(too_large(endpoint.max_body)))
             self.body = []
