@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections import deque
@@ -741,7 +742,9 @@ async def serve_app(
         try:
             listener = await loop.create_server(server, host, port, backlog=BACKLOG)
         except OSError as exc:
-            raise StartupFailed(f"cannot listen on {host}:{port}: {exc}") from exc
+            # An expected failure (a port in use, an address not on this host): one line, no traceback.
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise StartupFailed(f"cannot listen on {host}:{port}: {reason}") from None
         logger.info("listening on http://%s:%d", host if ":" not in host else f"[{host}]", port)
         await stop.wait()
         logger.info("shutting down: answering the requests in flight")

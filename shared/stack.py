@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from .cli import invoked_as
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -94,7 +96,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m dynamo_lite.stack",
+        prog=invoked_as("python -m dynamo_lite.stack"),
         description="Run the local KV-aware gateway: slot tracker, indexer, engine stand-ins, the endpoint "
                     "picker and Envoy, on loopback. Ctrl-C stops everything.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
