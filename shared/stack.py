@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from .cli import invoked_as
+from .cli import HelpFormatter, invoked_as
 
 LOOPBACK = "127.0.0.1"
 
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog=invoked_as("python -m dynamo_lite.stack"),
         description="Run the local KV-aware gateway: slot tracker, indexer, engine stand-ins, the endpoint "
                     "picker and Envoy, on loopback. Ctrl-C stops everything.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--engines", type=int, default=2, help="engine stand-ins to start (0: route to none)")
     parser.add_argument("--port", type=int, default=8081, help="the gateway's port (Envoy's listener)")
