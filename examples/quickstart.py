@@ -1,4 +1,4 @@
-"""Route one request with KvRouter: the README's Python example, verbatim (a test checks)."""
+"""Route one request with KvRouter: the Python example of the README and the docs, verbatim (a test checks)."""
 
 import asyncio
 import os

@@ -1,5 +1,5 @@
 """Every program in examples/ runs, as a newcomer would run it, against real service processes;
-the README's Python example is examples/quickstart.py verbatim.
+the Python example of the README and of docs/routing.md is examples/quickstart.py verbatim.
 
 The examples read the services' addresses from SLOT_TRACKER_URL and INDEXER_URL (defaults:
 the services' own ports). Each example leaves the services as it found them, which the next
@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from docs_support import blocks
 from reference_server import running_service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,11 +43,11 @@ def assert_left_clean(env: dict[str, str]) -> None:
     assert httpx.get(env["INDEXER_URL"] + "/workers").json() == []
 
 
-def test_the_readme_python_example_is_the_quickstart_verbatim() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_python_quickstart_of_the_readme_and_the_docs_is_the_example_verbatim() -> None:
     quickstart = (EXAMPLES / "quickstart.py").read_text(encoding="utf-8")
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert quickstart in blocks, "README's Python example differs from examples/quickstart.py"
+    pages = {page.name for page, block in blocks("python") if "KvRouter" in block and block == quickstart}
+    differing = {page.name for page, block in blocks("python") if "Route one request with KvRouter" in block} - pages
+    assert {"README.md", "routing.md"} <= pages and not differing, f"these pages' quickstart differs: {differing}"
 
 
 def test_quickstart(services: dict[str, str]) -> None:
