@@ -114,3 +114,14 @@ def test_an_example_without_services_says_so_in_one_line(name: str) -> None:
     done = subprocess.run(EVERY_EXAMPLE[name], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 1, done
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv", [["examples/gateway.py"], ["examples/sidecar.py"], ["-m", "dynamo_lite.simulate"]],
+                         ids=["gateway.py", "sidecar.py", "simulate"])
+def test_help_explains_every_flag_and_shows_each_default_once(argv: list[str]) -> None:
+    out = run([sys.executable, *argv, "--help"], dict(os.environ))
+    options = re.split(r"\n  (?=-)", out.split("options:", 1)[1])[1:]
+    assert options
+    for option in options:
+        assert len(option.split()) > 2, f"{option.split()[0]} has no help text"  # more than the flag and its metavar
+        assert "(default: None)" not in option and option.count("default") <= 1, option
