@@ -776,7 +776,7 @@ def test_malformed_tenant_field(pair: Pair, tenant_value: Any) -> None:
 
 
 # Body-parsing quirks of the reference's serde/axum stack (reference notes §3.3). Where ours
-# answers differently on purpose, the README's "Differences" table says so and the case pins
+# answers differently on purpose, docs/differences.md says so and the case pins
 # both answers: (path, body, reference status, our status).
 QUIRKS = [
     pytest.param("/register", b'{"worker_id":1,"worker_id":2,"model_name":"q-dup","block_size":16,"dp_start":0,"dp_size":1}',
