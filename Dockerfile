@@ -1,5 +1,5 @@
 # One image for every service; the default command runs the slot tracker. Every flag can also
-# be given as an environment variable DYNAMO_LITE_<FLAG> (see the README, "Observability").
+# be given as an environment variable DYNAMO_LITE_<FLAG> (docs/configuration.md lists them).
 #   docker build -t dynamo-lite .
 #   docker run --rm -p 8091:8091 dynamo-lite
 #   docker run --rm -p 8090:8090 -v dynamo-lite-index:/data \

@@ -39,9 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "client-reference.md"
 MODULES = ("dynamo_lite.client", "dynamo_lite.routing", "dynamo_lite.hashing")
 PACKAGE = "dynamo_lite"
-# The README section on the request flow (found by the start of its title) and the examples
-# the intro points to; the generator fails if they are gone, so the links cannot break silently.
-README_SECTION = "Routing a request"
+# The docs page on the request flow (its title must start so) and the examples the intro points
+# to; the generator fails if they are gone, so the links cannot break silently. The examples are
+# named, not linked: they live outside the docs site.
+FLOW_PAGE = "routing.md"
+FLOW_TITLE = "Routing a request"
 EXAMPLES = ("examples/quickstart.py", "examples/gateway.py")
 # Methods the sync clients forward but replace: `close()` closes the loop as well.
 NOT_FORWARDED = frozenset({"aclose"})
@@ -359,13 +361,12 @@ def render_entry(entry: Entry, module: ModuleType, missing: list[str]) -> list[s
     return lines + [require_doc(f"{module.__name__}.{entry.name}", entry.doc, missing), ""]
 
 
-def readme_link() -> str:
-    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
-        match = re.match(r"#+\s+(.*)", line)
-        if match and match.group(1).startswith(README_SECTION):
-            title = match.group(1).strip()
-            return f"[{title}](../README.md#{anchor(title)})"
-    raise CannotGenerate(f"README.md has no section titled {README_SECTION!r}...: update README_SECTION")
+def flow_link() -> str:
+    page = ROOT / "docs" / FLOW_PAGE
+    title = page.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip() if page.is_file() else ""
+    if not title.startswith(FLOW_TITLE):
+        raise CannotGenerate(f"docs/{FLOW_PAGE} is gone or not titled {FLOW_TITLE!r}...: update FLOW_PAGE")
+    return f"[{title}]({FLOW_PAGE})"
 
 
 def example_lines() -> list[str]:
@@ -377,7 +378,7 @@ def example_lines() -> list[str]:
         summary = first_paragraph(ast.get_docstring(ast.parse(file.read_text(encoding="utf-8"))))
         if not summary:
             raise CannotGenerate(f"{path} has no module docstring to describe it by")
-        lines.append(f"- [`{path}`](../{path}): {summary}")
+        lines.append(f"- `{path}`: {summary}")
     return lines
 
 
@@ -416,8 +417,8 @@ def render() -> str:
         lines.append(f"- [`{module.__name__}`](#{anchor(module.__name__)}): {first_paragraph(module.__doc__)}")
     lines += [
         "",
-        f"The request flow, step by step, is in the README's {readme_link()}; runnable programs are in "
-        "[`examples/`](../examples/), among them:",
+        f"The request flow, step by step: {flow_link()}. Runnable programs are in the repository's "
+        "`examples/`, among them:",
         "",
         *example_lines(),
         "",
@@ -441,29 +442,39 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None, *, out: Callable[[str], Any] = print) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the committed reference is stale")
+    return write_or_check(argv, __doc__, OUTPUT, render, out=out)
+
+
+def write_or_check(
+    argv: list[str] | None, doc: str | None, output: Path, render: Callable[[], str],
+    *, script: str = "docs/generate_reference.py", out: Callable[[str], Any] = print,
+) -> int:
+    """The command line of a docs generator: write `output` from `render()`, or with `--check`
+    exit 1, with a short diff, when the committed file differs (2 when it cannot be generated)."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the committed file is stale")
     args = parser.parse_args(argv)
+    name = output.relative_to(ROOT)
     try:
         text = render()
     except CannotGenerate as error:
-        out(f"generate_reference: {error}")
+        out(f"{name}: {error}")
         return 2
     if not args.check:
-        OUTPUT.write_text(text, encoding="utf-8")
-        out(f"wrote {OUTPUT.relative_to(ROOT)}")
+        output.write_text(text, encoding="utf-8")
+        out(f"wrote {name}")
         return 0
-    current = OUTPUT.read_text(encoding="utf-8") if OUTPUT.exists() else ""
+    current = output.read_text(encoding="utf-8") if output.exists() else ""
     if current == text:
         return 0
     diff = list(difflib.unified_diff(
         current.splitlines(), text.splitlines(),
-        f"{OUTPUT.relative_to(ROOT)} (committed)", "(generated from the code)", lineterm="", n=1,
+        f"{name} (committed)", "(generated from the code)", lineterm="", n=1,
     ))
     out("\n".join(diff[:DIFF_LINES]))
     if len(diff) > DIFF_LINES:
         out(f"... {len(diff) - DIFF_LINES} more diff lines")
-    out("docs/client-reference.md is stale: run `python docs/generate_reference.py`")
+    out(f"{name} is stale: run `python {script}`")
     return 1
 
 

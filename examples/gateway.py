@@ -3,6 +3,10 @@ lifecycle, read the loads.
 
     .venv/bin/python examples/gateway.py --slot-tracker http://localhost:8091 --indexer http://localhost:8090
 
+Its workers (61..64) and model (`gateway-example`) are its own, so it runs next to the other
+examples and the simulator against the same services; `--first-worker-id` and `--model-name`
+change them. It unregisters what it registered, and only that, whatever happens.
+
 Three conversations of three turns each go to a fleet of four workers, one turn of each
 conversation in flight at a time. Each turn's prompt repeats the conversation so far, so once a
 worker has served a turn it holds that prefix and the router sends the next turn there (its
@@ -21,21 +25,21 @@ import random
 import sys
 from pathlib import Path
 
-from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+from dynamo_lite.cli import HelpFormatter
+from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError
 from dynamo_lite.routing import KvRouter, NoWorkerAvailable, RequestHandle, RouterConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar import EngineSidecar  # noqa: E402  (the example beside this one)
 
-MODEL = "llama-3-8b"
 BLOCK_SIZE = 16
-WORKERS = (1, 2, 3, 4)
+FLEET_SIZE = 4
 
 
-async def route(router: KvRouter, request_id: str, tokens: list[int]) -> RequestHandle:
+async def route(router: KvRouter, model: str, request_id: str, tokens: list[int]) -> RequestHandle:
     """Pick a worker for one request and book it there (POST /add)."""
     local, chained = router.hashes_for(tokens)
-    decision = await router.select(MODEL, isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained)
+    decision = await router.select(model, isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained)
     chosen = decision.chosen
     print(f"{request_id}: {len(tokens)} tokens -> worker {decision.worker_id} "
           f"(cached {chosen.cached_tokens} tokens, cost {chosen.cost:.2f}; "
@@ -43,16 +47,20 @@ async def route(router: KvRouter, request_id: str, tokens: list[int]) -> Request
     return await router.commit(decision, request_id)  # the gateway forwards the request now
 
 
-async def run(slot_tracker_url: str, indexer_url: str) -> int:
+async def run(slot_tracker_url: str, indexer_url: str, model: str, first_worker_id: int) -> int:
     rng = random.Random(0)
+    fleet = range(first_worker_id, first_worker_id + FLEET_SIZE)
     async with AsyncSlotTrackerClient(slot_tracker_url) as slot_tracker, AsyncIndexerClient(indexer_url) as indexer:
-        for worker_id in WORKERS:
-            await slot_tracker.register(worker_id, MODEL, BLOCK_SIZE)
-            await indexer.register(worker_id, MODEL, BLOCK_SIZE)
-        engines = {worker_id: EngineSidecar(indexer, MODEL, worker_id, block_size=BLOCK_SIZE) for worker_id in WORKERS}
-        router = KvRouter(slot_tracker, indexer, block_size=BLOCK_SIZE,
-                          config=RouterConfig(overlap_score_weight=1.0, router_temperature=0.0), seed=0)
+        registered = []  # (service, worker id): the clean-up leaves anyone else's workers alone
         try:
+            for worker_id in fleet:
+                for service in (slot_tracker, indexer):
+                    await service.register(worker_id, model, BLOCK_SIZE)
+                    registered.append((service, worker_id))
+            engines = {worker_id: EngineSidecar(indexer, model, worker_id, block_size=BLOCK_SIZE)
+                       for worker_id in fleet}
+            router = KvRouter(slot_tracker, indexer, block_size=BLOCK_SIZE,
+                              config=RouterConfig(overlap_score_weight=1.0, router_temperature=0.0), seed=0)
             conversations: dict[str, list[int]] = {name: [] for name in ("a", "b", "c")}
             placed: dict[str, set[int]] = {name: set() for name in conversations}
             for turn in range(3):
@@ -60,11 +68,11 @@ async def run(slot_tracker_url: str, indexer_url: str) -> int:
                 handles = {}
                 for name, history in conversations.items():
                     history += [rng.randrange(32_000) for _ in range(64)]  # the user's next message
-                    handles[name] = await route(router, f"{name}-{turn}", list(history))
+                    handles[name] = await route(router, model, f"{name}-{turn}", list(history))
                 for handle in handles.values():
                     await handle.prefill_complete()  # each engine streamed its first token
                 if turn == 0:
-                    for load in await slot_tracker.loads(MODEL):
+                    for load in await slot_tracker.loads(model):
                         print(f"  worker {load.worker_id}: {load.active_decode_blocks} decode blocks, "
                               f"{load.active_prefill_tokens} prefill tokens active")
                 for name, handle in handles.items():
@@ -81,17 +89,26 @@ async def run(slot_tracker_url: str, indexer_url: str) -> int:
             print(f"cannot route: {error}", file=sys.stderr)
             return 2
         finally:
-            for worker_id in WORKERS:
-                await slot_tracker.unregister(worker_id, MODEL)
-                await indexer.unregister(worker_id, MODEL)
+            for service, worker_id in reversed(registered):
+                await service.unregister(worker_id, model)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Route three conversations over four workers with KvRouter.")
-    parser.add_argument("--slot-tracker", default=os.environ.get("SLOT_TRACKER_URL", "http://localhost:8091"))
-    parser.add_argument("--indexer", default=os.environ.get("INDEXER_URL", "http://localhost:8090"))
+    parser = argparse.ArgumentParser(description="Route three conversations over four workers with KvRouter.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--slot-tracker", default=os.environ.get("SLOT_TRACKER_URL", "http://localhost:8091"),
+                        help="the slot tracker's base URL [env SLOT_TRACKER_URL]")
+    parser.add_argument("--indexer", default=os.environ.get("INDEXER_URL", "http://localhost:8090"),
+                        help="the indexer's base URL [env INDEXER_URL]")
+    parser.add_argument("--model-name", default="gateway-example", help="the model the fleet is registered under")
+    parser.add_argument("--first-worker-id", type=int, default=61,
+                        help=f"the fleet's worker ids are this and the next {FLEET_SIZE - 1}")
     args = parser.parse_args(argv)
-    return asyncio.run(run(args.slot_tracker, args.indexer))
+    try:
+        return asyncio.run(run(args.slot_tracker, args.indexer, args.model_name, args.first_worker_id))
+    except ServiceCallError as error:  # a refused connection, or a service's answer to a call it refused
+        print(f"gateway.py: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,21 +3,35 @@
 #
 #   SLOT_TRACKER_URL=http://localhost:8091 INDEXER_URL=http://localhost:8090 bash examples/route_with_curl.sh
 #
-# Worker 7 already holds the first 4 blocks of the prompt (tokens 1..64, block size 16), worker 8
-# nothing; worker 7 also has a request in flight. The prompt is tokens 1..96 (6 blocks).
+# Worker 41 already holds the first 4 blocks of the prompt (tokens 1..64, block size 16), worker
+# 42 nothing; worker 41 also has a request in flight. The prompt is tokens 1..96 (6 blocks).
 # cost = overlap_score_weight * prefill_blocks + decode_blocks, the lowest wins.
+# The workers and the model (curl-example) are this example's own, so it runs next to the other
+# examples and the simulator against the same services.
 set -euo pipefail
 B=${SLOT_TRACKER_URL:-http://localhost:8091}
 I=${INDEXER_URL:-http://localhost:8090}
 J='Content-Type: application/json'
-post() { curl -sS --fail-with-body -X POST "$1" -H "$J" -d "$2"; }
-cleanup() {  # leave both services as they were, whatever happened
-  for request in req-1 other; do
-    curl -sS -X POST "$B/free" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"request_id\":\"$request\"}" >/dev/null || true
-  done
-  for worker in 7 8; do
-    curl -sS -X POST "$B/unregister" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"worker_id\":$worker}" >/dev/null || true
-    curl -sS -X POST "$I/unregister" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"instance_id\":$worker}" >/dev/null || true
+MODEL=curl-example
+# POST $1 with body $2; print the answer. A refusal ends the script with the service's own
+# message on one line (curl's "(22) ... 409" says nothing of why); curl's own line says why a
+# connection failed.
+post() {
+  local answer status
+  answer=$(curl -sS -X POST "$1" -H "$J" -d "$2" -w $'\n%{http_code}') || exit 1
+  status=${answer##*$'\n'}
+  answer=${answer%$'\n'*}
+  if [ "$status" -ge 300 ]; then
+    echo "route_with_curl.sh: POST $1 answered $status $answer" >&2
+    exit 1
+  fi
+  printf '%s' "$answer"
+}
+created=()  # what this run registered and added, undone in reverse by the exit trap (nothing else)
+cleanup() {
+  local index
+  for (( index=${#created[@]} - 1; index >= 0; index-- )); do
+    curl -sS -X POST ${created[index]} -H "$J" >/dev/null || true
   done
 }
 trap cleanup EXIT
@@ -29,29 +43,32 @@ CHAINED='[-1583300653928780152,-5980354406663771828,960926348267535642,492384468
 ISL=96; BLOCK=16; WEIGHT=1
 
 # 1. Register both workers with both services.
-for worker in 7 8; do
-  post "$B/register" "{\"model_name\":\"llama-3-8b\",\"worker_id\":$worker,\"block_size\":$BLOCK,\"dp_start\":0,\"dp_size\":1}" >/dev/null
-  post "$I/register" "{\"model_name\":\"llama-3-8b\",\"instance_id\":$worker,\"block_size\":$BLOCK}" >/dev/null
+for worker in 41 42; do
+  post "$B/register" "{\"model_name\":\"$MODEL\",\"worker_id\":$worker,\"block_size\":$BLOCK,\"dp_start\":0,\"dp_size\":1}" >/dev/null
+  created+=("$B/unregister -d {\"model_name\":\"$MODEL\",\"worker_id\":$worker}")
+  post "$I/register" "{\"model_name\":\"$MODEL\",\"instance_id\":$worker,\"block_size\":$BLOCK}" >/dev/null
+  created+=("$I/unregister -d {\"model_name\":\"$MODEL\",\"instance_id\":$worker}")
 done
 
-# 2. Worker 7's engine reported the first 4 blocks (its own block ids 161..164), and it serves
+# 2. Worker 41's engine reported the first 4 blocks (its own block ids 161..164), and it serves
 #    another request (2 blocks, all prefilled).
-post "$I/events" '{"llama-3-8b:default": {"block_size": 16, "events": [{"worker_id": 7, "event": {"event_id": 0,
+post "$I/events" '{"curl-example:default": {"block_size": 16, "events": [{"worker_id": 41, "event": {"event_id": 0,
   "data": {"stored": {"parent_hash": null, "blocks": [
     {"block_hash": 161, "tokens_hash": 16863443419780771464}, {"block_hash": 162, "tokens_hash": 2287610619914608821},
     {"block_hash": 163, "tokens_hash": 12129935312930971799}, {"block_hash": 164, "tokens_hash": 5453111288643762282}]}}}}]}}' >/dev/null
-post "$B/add" '{"model_name":"llama-3-8b","request_id":"other","worker_id":7,"dp_rank":0,"sequence_hashes":[1,2],"new_isl_tokens":32}' >/dev/null
-post "$B/prefill_complete" '{"model_name":"llama-3-8b","request_id":"other"}' >/dev/null
+post "$B/add" '{"model_name":"curl-example","request_id":"other","worker_id":41,"dp_rank":0,"sequence_hashes":[1,2],"new_isl_tokens":32}' >/dev/null
+created+=("$B/free -d {\"model_name\":\"$MODEL\",\"request_id\":\"other\"}")
+post "$B/prefill_complete" '{"model_name":"curl-example","request_id":"other"}' >/dev/null
 
 # 3. The two reads a gateway makes per request (in parallel in a real gateway).
-overlap=$(post "$I/query_by_hash" "{\"model_name\":\"llama-3-8b\",\"block_hashes\":$LOCAL}")
-loads=$(post "$B/potential_loads" "{\"model_name\":\"llama-3-8b\",\"sequence_hashes\":$CHAINED,\"new_isl_tokens\":0}")
+overlap=$(post "$I/query_by_hash" "{\"model_name\":\"$MODEL\",\"block_hashes\":$LOCAL}")
+loads=$(post "$B/potential_loads" "{\"model_name\":\"$MODEL\",\"sequence_hashes\":$CHAINED,\"new_isl_tokens\":0}")
 echo "query_by_hash:   $overlap"
 echo "potential_loads: $loads"
 
 # 4. Cost per worker (integers, in thousandths of a block).
 best=""; best_cost=""
-for worker in 7 8; do
+for worker in 41 42; do
   cached=$(grep -o "\"$worker\":{\"0\":[0-9]*}" <<<"$overlap" | grep -o '[0-9]*}$' | tr -d '}' || true)
   cached=${cached:-0}
   row=$(grep -o "{\"worker_id\":$worker,[^}]*}" <<<"$loads")
@@ -67,9 +84,10 @@ echo "chosen: worker $best"
 # 5. Book it, then report the lifecycle: the first token, each output block filled (16 tokens
 #    generated: one), the end. Output blocks are a total and free is idempotent: retries are harmless.
 cached=$(grep -o "\"$best\":{\"0\":[0-9]*}" <<<"$overlap" | grep -o '[0-9]*}$' | tr -d '}' || true)
-post "$B/add" "{\"model_name\":\"llama-3-8b\",\"request_id\":\"req-1\",\"worker_id\":$best,\"dp_rank\":0,\"sequence_hashes\":$CHAINED,\"new_isl_tokens\":$(( ISL - ${cached:-0} ))}" >/dev/null
-post "$B/prefill_complete" '{"model_name":"llama-3-8b","request_id":"req-1"}' >/dev/null
-post "$B/output_blocks" '{"model_name":"llama-3-8b","request_id":"req-1","output_blocks":1}' >/dev/null
-echo "loads: $(curl -sS "$B/loads?model_name=llama-3-8b")"
-post "$B/free" '{"model_name":"llama-3-8b","request_id":"req-1"}' >/dev/null
-# 6. The exit trap frees the other request and unregisters both workers.
+post "$B/add" "{\"model_name\":\"$MODEL\",\"request_id\":\"req-1\",\"worker_id\":$best,\"dp_rank\":0,\"sequence_hashes\":$CHAINED,\"new_isl_tokens\":$(( ISL - ${cached:-0} ))}" >/dev/null
+created+=("$B/free -d {\"model_name\":\"$MODEL\",\"request_id\":\"req-1\"}")
+post "$B/prefill_complete" '{"model_name":"curl-example","request_id":"req-1"}' >/dev/null
+post "$B/output_blocks" '{"model_name":"curl-example","request_id":"req-1","output_blocks":1}' >/dev/null
+echo "loads: $(curl -sS "$B/loads?model_name=$MODEL")"
+post "$B/free" '{"model_name":"curl-example","request_id":"req-1"}' >/dev/null
+# 6. The exit trap frees the other request and unregisters both workers: what this run created.

@@ -8,6 +8,11 @@ per engine step, every event of a batch under the step's number (its event id).
 
     .venv/bin/python examples/sidecar.py --indexer http://localhost:8090 examples/sidecar_events.jsonl
 
+The file stands for one engine's life: the sidecar registers its worker (31, model
+`sidecar-example`: its own, so it runs next to the other examples; `--worker-id` and
+`--model-name` change them), reports every step, and unregisters the worker at the end, as a
+sidecar would when its engine stops.
+
 Each line of the events file is one engine step, a list of operations on one worker:
 `{"stored": [token ids of a whole prompt]}` (its full blocks not reported yet are stored),
 `{"evicted": [token ids of a prompt]}` (the last of its blocks still held is removed), or
@@ -24,7 +29,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dynamo_lite.client import AsyncIndexerClient
+from dynamo_lite.cli import HelpFormatter
+from dynamo_lite.client import AsyncIndexerClient, ServiceCallError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes
 
 
@@ -95,40 +101,49 @@ class EngineSidecar:
 async def replay(indexer_url: str, lines: Sequence[str], model_name: str, worker_id: int, block_size: int) -> int:
     async with AsyncIndexerClient(indexer_url) as indexer:
         await indexer.register(worker_id, model_name, block_size)
-        sidecar = EngineSidecar(indexer, model_name, worker_id, block_size=block_size)
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            events: list[dict[str, Any]] = []
-            for operation in json.loads(line):
-                if "stored" in operation:
-                    events += sidecar.stored(operation["stored"])
-                elif "evicted" in operation:
-                    events += sidecar.evicted_tail(operation["evicted"])
-                elif operation.get("cleared"):
-                    events += sidecar.cleared()
-                else:
-                    raise ValueError(f"line {number}: unknown operation {operation!r}")
-            report = await sidecar.publish(events)
-            if report is not None:
-                print(f"step {sidecar.step - 1}: {len(events)} events, applied {report['applied']}, "
-                      f"rejected {report['rejected']}, gaps {report['gap_count']}")
-        (worker,) = await indexer.workers(model_name=model_name)
-        print(f"worker {worker_id} holds {worker['ranks'][0]['blocks']} blocks")
+        try:
+            sidecar = EngineSidecar(indexer, model_name, worker_id, block_size=block_size)
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                events: list[dict[str, Any]] = []
+                for operation in json.loads(line):
+                    if "stored" in operation:
+                        events += sidecar.stored(operation["stored"])
+                    elif "evicted" in operation:
+                        events += sidecar.evicted_tail(operation["evicted"])
+                    elif operation.get("cleared"):
+                        events += sidecar.cleared()
+                    else:
+                        raise ValueError(f"line {number}: unknown operation {operation!r}")
+                report = await sidecar.publish(events)
+                if report is not None:
+                    print(f"step {sidecar.step - 1}: {len(events)} events, applied {report['applied']}, "
+                          f"rejected {report['rejected']}, gaps {report['gap_count']}")
+            (worker,) = await indexer.workers(model_name=model_name)
+            print(f"worker {worker_id} holds {worker['ranks'][0]['blocks']} blocks")
+        finally:
+            await indexer.unregister(worker_id, model_name)  # the engine stopped: its cache is gone
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Report one engine's cached blocks to the indexer.")
+    parser = argparse.ArgumentParser(description="Report one engine's cached blocks to the indexer.",
+                                     formatter_class=HelpFormatter)
     parser.add_argument("events", help="JSON lines: one engine step per line, a list of operations")
-    parser.add_argument("--indexer", default=os.environ.get("INDEXER_URL", "http://localhost:8090"))
-    parser.add_argument("--model-name", default="llama-3-8b")
-    parser.add_argument("--worker-id", type=int, default=7)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--indexer", default=os.environ.get("INDEXER_URL", "http://localhost:8090"),
+                        help="the indexer's base URL [env INDEXER_URL]")
+    parser.add_argument("--model-name", default="sidecar-example", help="the model the engine serves")
+    parser.add_argument("--worker-id", type=int, default=31, help="the engine's worker (instance) id")
+    parser.add_argument("--block-size", type=int, default=16, help="the engine's KV block size, in tokens")
     args = parser.parse_args(argv)
-    with open(args.events, encoding="utf-8") as file:
-        lines = file.readlines()
-    return asyncio.run(replay(args.indexer, lines, args.model_name, args.worker_id, args.block_size))
+    try:
+        with open(args.events, encoding="utf-8") as file:
+            lines = file.readlines()
+        return asyncio.run(replay(args.indexer, lines, args.model_name, args.worker_id, args.block_size))
+    except (OSError, ValueError, ServiceCallError) as error:  # expected failures: one line, no traceback
+        print(f"sidecar.py: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

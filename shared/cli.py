@@ -10,6 +10,7 @@ import argparse
 import gc
 import os
 import resource
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,11 +26,30 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each default shown once: not for an option without one (`None`), nor where
+    the help text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if action.default is None or action.default is argparse.SUPPRESS or "default" in help_text:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def invoked_as(module_prog: str) -> str:
+    """The program name `--help` and errors show: the console script's (`dynamo-lite-indexer`)
+    when the service was started by it, else `module_prog` (`python -m dynamo_lite.indexer`), so
+    a usage line can be pasted back as it was typed."""
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return script if script.startswith("dynamo-lite-") else module_prog
+
+
 def service_parser(prog: str, description: str, default_port: int) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog,
+        prog=invoked_as(prog),
         description=description,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (no authentication: keep it on a trusted network)")
     parser.add_argument("--port", type=_port, default=default_port, help="TCP port to listen on")

@@ -168,7 +168,13 @@ async def read_body(scope: Scope, receive: Receive, max_body: int) -> bytes:
 
 
 class QueryParams(Mapping[str, str]):
-    """Form-decoded query parameters in which a known parameter may appear at most once."""
+    """Form-decoded query parameters in which a known parameter may appear at most once.
+
+    A route that takes parameters refuses any other: a typo (`?model=` for `?model_name=`)
+    would otherwise filter nothing and answer every model's rows with a 200, and a gateway
+    would route on the wrong fleet. Dynamo 1.6.1 ignores unknown parameters (a documented
+    difference). A route without parameters (`/dump`) ignores its query string, as Dynamo does.
+    """
 
     def __init__(self, raw: bytes, known: frozenset[str]) -> None:
         values: dict[str, str] = {}
@@ -181,7 +187,11 @@ class QueryParams(Mapping[str, str]):
             raise MalformedRequest(f"invalid query string: {exc}") from None
         for key, value in pairs:
             if key not in known:
-                continue
+                if not known:
+                    continue
+                raise MalformedRequest(
+                    f"unknown query parameter `{key}`; accepted: {', '.join(sorted(known))}"
+                )
             if key in values:
                 raise MalformedRequest(f"Failed to deserialize query string: duplicate field `{key}`")
             values[key] = value

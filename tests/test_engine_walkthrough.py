@@ -1,4 +1,4 @@
-"""The README's engine stand-in walkthrough prints exactly what it says, against a real engine
+"""The docs' engine stand-in walkthrough prints exactly what it says, against a real engine
 and indexer (its ports pointed at free ones)."""
 
 from __future__ import annotations
@@ -8,22 +8,19 @@ import re
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
+from docs_support import marked_blocks
 from reference_server import free_port, running_service
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 
 
 def walkthrough() -> str:
-    text = README.read_text(encoding="utf-8")
-    match = re.search(r"<!-- engine-walkthrough -->\n```sh\n(.*?)```", text, flags=re.S)
-    assert match, "README: no engine walkthrough block"
-    return match.group(1)
+    ((_, block),) = marked_blocks("engine-walkthrough")
+    return block
 
 
 def test_the_readme_walkthrough_answers_as_written() -> None:

@@ -1,5 +1,5 @@
 """Every program in examples/ runs, as a newcomer would run it, against real service processes;
-the README's Python example is examples/quickstart.py verbatim.
+the Python example of the README and of docs/routing.md is examples/quickstart.py verbatim.
 
 The examples read the services' addresses from SLOT_TRACKER_URL and INDEXER_URL (defaults:
 the services' own ports). Each example leaves the services as it found them, which the next
@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from docs_support import blocks
 from reference_server import running_service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,40 +43,85 @@ def assert_left_clean(env: dict[str, str]) -> None:
     assert httpx.get(env["INDEXER_URL"] + "/workers").json() == []
 
 
-def test_the_readme_python_example_is_the_quickstart_verbatim() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_python_quickstart_of_the_readme_and_the_docs_is_the_example_verbatim() -> None:
     quickstart = (EXAMPLES / "quickstart.py").read_text(encoding="utf-8")
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert quickstart in blocks, "README's Python example differs from examples/quickstart.py"
+    pages = {page.name for page, block in blocks("python") if "KvRouter" in block and block == quickstart}
+    differing = {page.name for page, block in blocks("python") if "Route one request with KvRouter" in block} - pages
+    assert {"README.md", "routing.md"} <= pages and not differing, f"these pages' quickstart differs: {differing}"
 
 
 def test_quickstart(services: dict[str, str]) -> None:
     out = run([sys.executable, "examples/quickstart.py"], services)
-    assert re.search(r"^worker 1 rank 0: 12\.250 = 1 \* 6\.250 \+ 6 \(cached tokens: 0\)$", out, re.M), out
-    assert re.search(r"^chosen: worker [12], rank 0$", out, re.M), out
+    assert re.search(r"^worker 51 rank 0: 12\.250 = 1 \* 6\.250 \+ 6 \(cached tokens: 0\)$", out, re.M), out
+    assert re.search(r"^chosen: worker 5[12], rank 0$", out, re.M), out
     assert_left_clean(services)
 
 
 def test_gateway_keeps_each_conversation_on_its_worker(services: dict[str, str]) -> None:
     out = run([sys.executable, "examples/gateway.py"], services)
     assert "every conversation stayed on one worker, each on its own" in out, out
-    assert re.search(r"^a-2: 192 tokens -> worker \d \(cached 128 tokens", out, re.M), out
+    assert re.search(r"^a-2: 192 tokens -> worker 6[1-4] \(cached 128 tokens", out, re.M), out
     assert_left_clean(services)
 
 
 def test_sidecar_reports_an_engines_cache(services: dict[str, str]) -> None:
     out = run([sys.executable, "examples/sidecar.py", "examples/sidecar_events.jsonl"], services)
     assert "step 2: 2 events, applied 2, rejected 0, gaps 0" in out, out
-    assert out.rstrip().endswith("worker 7 holds 2 blocks"), out
-    # The example registers its worker and leaves it: a sidecar runs for the engine's lifetime.
-    httpx.post(services["INDEXER_URL"] + "/unregister", json={"instance_id": 7, "model_name": "llama-3-8b"})
-    assert_left_clean(services)
+    assert out.rstrip().endswith("worker 31 holds 2 blocks"), out
+    assert_left_clean(services)  # the file is the engine's life: its worker goes at the end
 
 
 @pytest.mark.skipif(shutil.which("curl") is None and os.environ.get("CI") != "true", reason="curl is not installed")
 def test_routing_with_curl_only(services: dict[str, str]) -> None:
     out = run(["bash", "examples/route_with_curl.sh"], services)
-    assert "worker 7: cached 64 tokens, cost = 1 * (0 + 96 - 64) / 16 + 8 = 10.000" in out, out
-    assert "worker 8: cached 0 tokens, cost = 1 * (0 + 96 - 0) / 16 + 6 = 12.000" in out, out
-    assert "chosen: worker 7" in out, out
+    assert "worker 41: cached 64 tokens, cost = 1 * (0 + 96 - 64) / 16 + 8 = 10.000" in out, out
+    assert "worker 42: cached 0 tokens, cost = 1 * (0 + 96 - 0) / 16 + 6 = 12.000" in out, out
+    assert "chosen: worker 41" in out, out
     assert_left_clean(services)
+
+
+EVERY_EXAMPLE = {
+    "quickstart.py": [sys.executable, "examples/quickstart.py"],
+    "gateway.py": [sys.executable, "examples/gateway.py"],
+    "sidecar.py": [sys.executable, "examples/sidecar.py", "examples/sidecar_events.jsonl"],
+    "route_with_curl.sh": ["bash", "examples/route_with_curl.sh"],
+}
+
+
+@pytest.mark.skipif(shutil.which("curl") is None and os.environ.get("CI") != "true", reason="curl is not installed")
+@pytest.mark.parametrize("name", list(EVERY_EXAMPLE))
+def test_an_example_meeting_its_ids_in_use_says_why_in_one_line_and_leaves_them(services: dict[str, str], name: str) -> None:
+    """Someone else holds the example's first worker id under another model: the example ends with
+    the service's message on one line, status 1, and unregisters nothing of the other user's."""
+    first_worker = {"quickstart.py": 51, "gateway.py": 61, "sidecar.py": 31, "route_with_curl.sh": 41}[name]
+    indexer = services["INDEXER_URL"]
+    squatter = {"instance_id": first_worker, "model_name": "someone-else", "block_size": 16}
+    assert httpx.post(indexer + "/register", json=squatter).status_code == 201
+    try:
+        done = subprocess.run(EVERY_EXAMPLE[name], env=services, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 1, done
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert f"instance {first_worker}" in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert [worker["instance_id"] for worker in httpx.get(indexer + "/workers").json()] == [first_worker]
+    finally:
+        httpx.post(indexer + "/unregister", json={"instance_id": first_worker, "model_name": "someone-else"})
+    assert_left_clean(services)
+
+
+@pytest.mark.parametrize("name", ["quickstart.py", "gateway.py", "sidecar.py"])
+def test_an_example_without_services_says_so_in_one_line(name: str) -> None:
+    env = {**os.environ, "SLOT_TRACKER_URL": "http://127.0.0.1:9", "INDEXER_URL": "http://127.0.0.1:9"}
+    done = subprocess.run(EVERY_EXAMPLE[name], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1, done
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv", [["examples/gateway.py"], ["examples/sidecar.py"], ["-m", "dynamo_lite.simulate"]],
+                         ids=["gateway.py", "sidecar.py", "simulate"])
+def test_help_explains_every_flag_and_shows_each_default_once(argv: list[str]) -> None:
+    out = run([sys.executable, *argv, "--help"], dict(os.environ))
+    options = re.split(r"\n  (?=-)", out.split("options:", 1)[1])[1:]
+    assert options
+    for option in options:
+        assert len(option.split()) > 2, f"{option.split()[0]} has no help text"  # more than the flag and its metavar
+        assert "(default: None)" not in option and option.count("default") <= 1, option

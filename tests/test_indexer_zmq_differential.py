@@ -1,5 +1,5 @@
 """Where ours and Dynamo 1.6.1's indexer, both subscribed to the same engines, answer alike
-and where ours is deliberately different (README, "Differences from Dynamo 1.6.1's indexer").
+and where ours is deliberately different (docs/differences.md, "The indexer").
 
 The random-stream comparison lives in test_indexer_differential.py (feed "zmq"); this file
 pins the engine behaviours that stream does not produce: an engine restart, vLLM's map-shaped

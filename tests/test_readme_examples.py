@@ -1,31 +1,38 @@
-"""The README's route examples answer exactly as the README says.
+"""The documentation's curl blocks answer exactly as they say.
 
-Each service's "### Routes" block of curl commands runs as written (bash, real curl), in order,
-against a fresh service process; the base URL line (`B=http://localhost:8091`,
-`I=http://localhost:8090`) is pointed at the test's port. A comment after a command states
-what it answers: a status (`# 201`), a JSON document (on the same line, or on the `#` lines
-right after it), or "the same answer" as the command before. Every other command must succeed.
-Commands that talk to a host the README only imagines (`http://other-indexer:8090`) are not run.
+Each service's routes block (docs/slot-tracker.md, docs/indexer.md) and the routing
+walkthrough (`<!-- routing-walkthrough -->`, in the README and docs/getting-started.md) run as
+written (bash, real curl), in order, against fresh service processes; the base URL lines
+(`B=http://localhost:8091`, `I=http://localhost:8090`) are pointed at the test's ports. A
+comment after a command states what it answers: a status (`# 201`), a JSON document (on the
+same line, or on the `#` lines right after it), or "the same answer" as the command before.
+Every other command must succeed. Runnable blocks hold only commands that run: a host the
+docs only imagine (`http://other-indexer:8090`) appears in the text, never in a block.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import socket
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from docs_support import block_starting_with, blocks, marked_blocks
 from reference_server import running_service
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 STATUS_MARK = "\n__status__="
-IMAGINED_HOST = re.compile(r"curl\b[^|]*\s'?http://other-indexer")
 
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 
@@ -38,10 +45,8 @@ class Command:
     same_as_before: bool = False
 
 
-def routes_block(base_line: str) -> tuple[str, list[Command]]:
-    """(variable lines, commands) of the README's sh block that starts with `base_line`."""
-    blocks = re.findall(r"```sh\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
-    block = next(block for block in blocks if block.startswith(base_line))
+def parse_block(block: str) -> tuple[str, list[Command]]:
+    """(variable lines, commands) of a block of curl commands."""
     prelude: list[str] = []
     commands: list[Command] = []
     current: list[str] | None = None
@@ -66,7 +71,7 @@ def routes_block(base_line: str) -> tuple[str, list[Command]]:
             finish()
             current = [line]
         else:
-            assert current is not None, f"README routes block: unexpected line {line!r}"
+            assert current is not None, f"curl block: unexpected line {line!r}"
             current.append(line)
     finish()
     return "\n".join(prelude), commands
@@ -102,15 +107,16 @@ def indexer() -> Iterator[str]:
         yield str(url)
 
 
-def run_block(base_line: str, url: str, tmp_path: Path) -> int:
-    prelude, commands = routes_block(base_line)
-    variable = base_line.split("=")[0]
-    prelude = prelude.replace(base_line, f"{variable}={url}")
+def run_block(block: str, urls: dict[str, str], tmp_path: Path) -> int:
+    """Run the block's commands with each variable of `urls` (`B`, `I`) pointed at its service;
+    the number of answers checked against the block's comments."""
+    prelude, commands = parse_block(block)
+    for variable, url in urls.items():
+        prelude, count = re.subn(rf"^{variable}=\S+", f"{variable}={url}", prelude, flags=re.M)
+        assert count == 1, f"the block sets {variable} {count} times"
     checked = 0
     previous_body: Any = None
     for command in commands:
-        if IMAGINED_HOST.search(command.text):
-            continue
         script = (f"{prelude}\ncurl() {{ command curl -sS -w '{STATUS_MARK.strip()}%{{http_code}}' \"$@\"; }}\n"
                   f"{command.text}\n")
         done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
@@ -136,8 +142,68 @@ def run_block(base_line: str, url: str, tmp_path: Path) -> int:
 
 
 def test_slot_tracker_routes_block(slot_tracker: str, tmp_path: Path) -> None:
-    assert run_block("B=http://localhost:8091", slot_tracker, tmp_path) >= 8
+    page, block = block_starting_with("B=http://localhost:8091")
+    assert page.name == "slot-tracker.md"
+    assert run_block(block, {"B": slot_tracker}, tmp_path) >= 8
 
 
 def test_indexer_routes_block(indexer: str, tmp_path: Path) -> None:
-    assert run_block("I=http://localhost:8090", indexer, tmp_path) >= 5
+    page, block = block_starting_with("I=http://localhost:8090")
+    assert page.name == "indexer.md"
+    assert run_block(block, {"I": indexer}, tmp_path) >= 5
+    assert_left_clean(slot_tracker=None, indexer=indexer)
+
+
+@pytest.mark.parametrize("page", ["README.md", "getting-started.md"])
+def test_the_routing_walkthrough_answers_as_written_and_leaves_the_services_as_they_were(
+        page: str, slot_tracker: str, indexer: str, tmp_path: Path) -> None:
+    walkthroughs = {path.name: block for path, block in marked_blocks("routing-walkthrough")}
+    assert set(walkthroughs) == {"README.md", "getting-started.md"}
+    assert len(set(walkthroughs.values())) == 1, "the README's walkthrough and the getting-started page's differ"
+    assert run_block(walkthroughs[page], {"B": slot_tracker, "I": indexer}, tmp_path) >= 8
+    assert_left_clean(slot_tracker, indexer)
+
+
+def test_no_runnable_block_talks_to_an_imagined_host() -> None:
+    for page, block in [*blocks("sh"), *blocks("bash")]:
+        assert "other-indexer" not in block, f"{page}: a block a reader would paste names an imagined host"
+
+
+def assert_left_clean(slot_tracker: str | None, indexer: str | None) -> None:
+    if slot_tracker:
+        assert httpx.get(slot_tracker + "/workers").json() == []
+    if indexer:
+        assert httpx.get(indexer + "/workers").json() == []
+
+
+def test_the_readme_set_up_starts_both_services_for_the_walkthrough_and_the_examples(tmp_path: Path) -> None:
+    """A newcomer's first minutes: the README's first set-up command (its install part aside: the
+    project is installed) starts both services on their default ports; the walkthrough, then an
+    example, run against them as written; Ctrl-C stops both."""
+    setup = next(block for page, block in blocks("sh") if page.name == "README.md")
+    command = setup.strip().split(" && ")[-1]
+    assert command == ".venv/bin/python -m dynamo_lite.stack --services-only", setup
+    for port in (8090, 8091):
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.skip(f"port {port} is taken (another service runs on this machine)")
+    process = subprocess.Popen([sys.executable, "-m", "dynamo_lite.stack", "--services-only", "--workdir", str(tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        assert process.stdout is not None
+        while not any(line.startswith("the slot tracker:") for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            lines.append(process.stdout.readline())
+        ((_, walkthrough), *_) = marked_blocks("routing-walkthrough")
+        assert run_block(walkthrough, {}, tmp_path) >= 8
+        defaults = {name: value for name, value in os.environ.items() if name not in ("SLOT_TRACKER_URL", "INDEXER_URL")}
+        done = subprocess.run([sys.executable, "examples/quickstart.py"], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parent.parent, env=defaults)
+        assert done.returncode == 0 and "chosen: worker 5" in done.stdout, done
+        assert_left_clean("http://localhost:8091", "http://localhost:8090")
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+    assert process.returncode == 0

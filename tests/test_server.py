@@ -134,6 +134,27 @@ def test_a_chunked_body_past_the_limit_is_413_and_the_connection_goes_on(connect
     assert connection.answer()[0] == 200
 
 
+def test_a_get_with_a_body_is_answered_as_without_one(connection: Connection) -> None:
+    """Dynamo 1.6.1 ignores a body sent with GET; so do we, on the same connection after it."""
+    for method in ("GET", "HEAD"):
+        for body in (b'{"model_name": "x"}', b"x" * 100_000):
+            connection.send(f"{method} /loads?model_name=x HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                            f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            status, _, answer = connection.answer(head_only=method == "HEAD")
+            assert status == 200 and answer == (b"[]" if method == "GET" else b"")
+    connection.send(get("/health"))
+    assert connection.answer()[0] == 200
+
+
+def test_an_unknown_query_parameter_is_400_naming_it_and_the_accepted_ones(connection: Connection) -> None:
+    connection.send(get("/loads?model=x"))
+    status, _, body = connection.answer()
+    assert status == 400
+    assert orjson.loads(body) == {"error": "unknown query parameter `model`; accepted: model_name, routing_group, tenant_id"}
+    connection.send(get("/dump?anything=1"))  # a route without parameters ignores its query string, as Dynamo does
+    assert connection.answer()[0] == 200
+
+
 def test_head_answers_carry_the_length_but_no_body(connection: Connection) -> None:
     connection.send(get("/openapi.json", "HEAD") + get("/health"))
     status, headers, _ = connection.answer(head_only=True)

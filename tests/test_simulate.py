@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import random
 import re
 import subprocess
@@ -16,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 from dynamo_lite.client import SlotTrackerClient
@@ -469,12 +471,21 @@ def test_the_default_trace_is_the_bundled_sample_and_loads() -> None:
 def test_simulate_without_trace_replays_the_bundled_sample(tmp_path: Path) -> None:
     python = sys.executable
     with running_service("slot_tracker") as slot_url, running_service("indexer") as indexer_url:
+        # The services' addresses from the environment, as the examples take them; instance 1
+        # already belongs to another model, so the default worker ids (1..8) clash.
+        env = {**os.environ, "SLOT_TRACKER_URL": str(slot_url), "INDEXER_URL": str(indexer_url)}
+        other = {"instance_id": 1, "model_name": "someone-else", "block_size": 16}
+        assert httpx.post(f"{indexer_url}/register", json=other).status_code == 201
+        clash = subprocess.run([python, "-m", "dynamo_lite.simulate", "--limit", "5", "--policy", "kv", "--quiet"],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert clash.returncode == 1, clash
+        assert clash.stderr.count("\n") == 1 and "instance 1" in clash.stderr and "Traceback" not in clash.stderr
         # Another working directory: the sample is found through the package, not the cwd.
         done = subprocess.run(
-            [python, "-m", "dynamo_lite.simulate", "--limit", "40", "--slot-tracker", slot_url,
-             "--indexer", indexer_url, "--quiet"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+            [python, "-m", "dynamo_lite.simulate", "--limit", "40", "--worker-id-base", "101", "--quiet"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
         )
+        assert [worker["instance_id"] for worker in httpx.get(f"{indexer_url}/workers").json()] == [1]
     assert done.returncode == 0, done.stderr
     assert "; 40 requests," in done.stdout and "hit ratio" in done.stdout
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) +(\d\.\d+) ", done.stdout, re.MULTILINE)}

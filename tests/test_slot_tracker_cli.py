@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -80,3 +81,26 @@ def test_default_connection_cap_keeps_a_tenth_of_the_open_files_for_everything_e
     assert default_max_connections(20_000) == 18_000
     assert default_max_connections(100) == 64  # never below 64
     assert default_max_connections(-1) == 0  # RLIM_INFINITY: no cap
+
+
+@pytest.mark.parametrize("module", ["slot_tracker", "indexer"])
+def test_a_port_in_use_ends_with_one_error_line_and_status_3(module: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", f"dynamo_lite.{module}", "--host", "127.0.0.1", "--port", str(port)],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and errors[0].endswith(f"cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("script", ["dynamo-lite-slot-tracker", "dynamo-lite-indexer"])
+def test_the_console_scripts_help_names_the_script(script: str) -> None:
+    """The installed scripts sit next to the interpreter of the venv the project is installed in."""
+    path = Path(sys.executable).parent / script
+    result = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    assert result.stdout.startswith(f"usage: {script} ")

@@ -749,6 +749,23 @@ def test_malformed_status(pair: Pair, name: str, path: str, body: bytes, headers
     assert answers[1] == answers[0], f"{name}: POST {path}: reference {answers[0]}, ours {answers[1]}"
 
 
+@pytest.mark.parametrize("path", ["/loads", "/workers", "/health"])
+def test_a_get_with_a_small_json_body_is_answered_as_without_one(pair: Pair, path: str) -> None:
+    """The reference ignores a body sent with GET (notes §3.4); ours answered 413 before."""
+    answers = [client.request("GET", path, content=b'{"model_name": "m"}', headers=_JSON) for client in (pair.ref, pair.ours)]
+    assert answers[0].status_code == 200, answers[0].text
+    assert (answers[1].status_code, answers[1].text) == (answers[0].status_code, answers[0].text)
+
+
+def test_an_unknown_query_parameter_reference_ignores_it_ours_is_400(pair: Pair) -> None:
+    """A documented difference: `?model=` (a typo of model_name) filters nothing in the reference."""
+    ref = pair.ref.get("/loads", params={"model": "m"})
+    ours = pair.ours.get("/loads", params={"model": "m"})
+    assert ref.status_code == 200
+    expected = 200 if pair.ours_is_reference else 400
+    assert ours.status_code == expected and ("unknown query parameter `model`" in ours.text or expected == 200)
+
+
 @pytest.mark.parametrize("tenant_value", [None, 5, ["x"]], ids=["null", "number", "array"])
 def test_malformed_tenant_field(pair: Pair, tenant_value: Any) -> None:
     """A tenant field of the wrong type is a 422 on both sides (ours named tenant_id)."""
@@ -759,7 +776,7 @@ def test_malformed_tenant_field(pair: Pair, tenant_value: Any) -> None:
 
 
 # Body-parsing quirks of the reference's serde/axum stack (reference notes §3.3). Where ours
-# answers differently on purpose, the README's "Differences" table says so and the case pins
+# answers differently on purpose, docs/differences.md says so and the case pins
 # both answers: (path, body, reference status, our status).
 QUIRKS = [
     pytest.param("/register", b'{"worker_id":1,"worker_id":2,"model_name":"q-dup","block_size":16,"dp_start":0,"dp_size":1}',

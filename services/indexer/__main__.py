@@ -177,9 +177,10 @@ def main(argv: list[str] | None = None) -> None:
         "--workers",
         default="",
         metavar="ID[:DP]=ENDPOINT[+REPLAY],...",
-        help="engines to subscribe to, e.g. '7=tcp://10.0.0.7:5557+tcp://10.0.0.7:5558,8:1=tcp://10.0.0.8:5558': "
-        "instance id, data-parallel rank (default 0), the engine's PUB endpoint and, after '+', its replay "
-        "(ROUTER) endpoint",
+        help="engines to subscribe to, e.g. '7:0=tcp://10.0.0.7:5557+tcp://10.0.0.7:5600,"
+        "7:1=tcp://10.0.0.7:5558+tcp://10.0.0.7:5601': instance id, data-parallel rank (default 0), the "
+        "engine's PUB endpoint and, after '+', its replay (ROUTER) endpoint. Rank r publishes on the PUB "
+        "port + r and replays on the replay port + r: keep the two port ranges apart",
     )
     engines.add_argument("--block-size", type=_positive_int, default=None,
                          help="tokens per KV block of the --workers' model (required with --workers)")

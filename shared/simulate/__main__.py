@@ -24,6 +24,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from dynamo_lite.cli import HelpFormatter
 from dynamo_lite.client import ServiceCallError
 from dynamo_lite.routing import RouterConfig
 
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dynamo_lite.simulate",
         description="Replay a Mooncake trace against the running slot tracker and indexer with a "
         "simulated fleet, and compare routing policies.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--trace", metavar="PATH", default=str(bundled_trace()),
                         help="Mooncake JSONL trace; the default is the bundled sample, the first 300 requests of "
@@ -117,8 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="kv policy: weight of prefill blocks in the cost")
     parser.add_argument("--temperature", type=_non_negative_float, default=RouterConfig().router_temperature,
                         help="kv policy: softmax temperature (0 = cheapest rank)")
-    parser.add_argument("--slot-tracker", default="http://127.0.0.1:8091", help="slot tracker base URL")
-    parser.add_argument("--indexer", default="http://127.0.0.1:8090", help="indexer base URL")
+    parser.add_argument("--worker-id-base", type=_positive_int, default=1,
+                        help="the simulated workers' ids are this and the next --workers - 1; they must not be "
+                        "registered with another model (an indexer instance id belongs to one model)")
+    parser.add_argument("--slot-tracker", default=os.environ.get("SLOT_TRACKER_URL", "http://127.0.0.1:8091"),
+                        help="slot tracker base URL [env SLOT_TRACKER_URL]")
+    parser.add_argument("--indexer", default=os.environ.get("INDEXER_URL", "http://127.0.0.1:8090"),
+                        help="indexer base URL [env INDEXER_URL]")
     parser.add_argument("--model-name",
                         help="model name to register the simulated workers under (default: sim-<random>-<policy>); "
                         "it must not be in use, and is unregistered after each policy")
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = FleetConfig(args.workers, args.dp_size, args.kv_blocks, args.block_size,
-                             args.prefill_tps, args.decode_tps)
+                             args.prefill_tps, args.decode_tps, args.worker_id_base)
         records = load_trace(args.trace, args.limit)
         requests = expand_trace(records, config.block_size, args.time_scale)
         del records

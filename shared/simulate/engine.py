@@ -197,7 +197,7 @@ class Simulation:
     async def register(self) -> None:
         """Register every simulated worker with both services; fails (409) if the model name is
         already in use, leaving the other user's workers alone."""
-        for worker in range(1, self.config.workers + 1):
+        for worker in self.config.worker_ids():
             await self.slot_tracker.register(
                 worker, self.model_name, self.config.block_size, dp_start=0, dp_size=self.config.dp_size
             )

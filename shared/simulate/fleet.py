@@ -50,9 +50,12 @@ class FleetConfig:
     block_size: int = 64
     prefill_tps: float = 8000.0
     decode_tps: float = 40.0
+    # Worker ids are first_worker_id .. first_worker_id + workers - 1: an indexer instance id
+    # belongs to one model, so a simulation next to other users of the services needs its own ids.
+    first_worker_id: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("workers", "dp_size", "kv_blocks", "block_size"):
+        for name in ("workers", "dp_size", "kv_blocks", "block_size", "first_worker_id"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("prefill_tps", "decode_tps"):
@@ -61,8 +64,11 @@ class FleetConfig:
                 raise ValueError(f"{name} must be a positive number")
 
     def rank_keys(self) -> list[RankKey]:
-        """Every (worker_id, dp_rank), sorted; worker ids are 1..workers (0 reads as unset in logs)."""
-        return [(worker, rank) for worker in range(1, self.workers + 1) for rank in range(self.dp_size)]
+        """Every (worker_id, dp_rank), sorted (worker ids start at 1 at least: 0 reads as unset in logs)."""
+        return [(worker, rank) for worker in self.worker_ids() for rank in range(self.dp_size)]
+
+    def worker_ids(self) -> range:
+        return range(self.first_worker_id, self.first_worker_id + self.workers)
 
     @property
     def timing(self) -> TimingModel:
