@@ -94,6 +94,7 @@ from .http import (
 )
 from .logs import AccessLog
 from .metrics import DISCONNECTED, RouteSeries
+from .tls import ReloadingContext
 
 logger = logging.getLogger("dynamo_lite.server")
 
@@ -164,7 +165,7 @@ class HttpServer:
         self.in_turn = False  # an answer was written in this turn of the loop: hold the others
         self.date_line = b""
         self._date_second = -1
-        self.protocol = _HeadersConnection if app.wants_headers else HttpConnection
+        self.protocol = _connection_class(app)
         self._tick()
 
     def _tick(self) -> None:
@@ -240,6 +241,7 @@ class HttpConnection(asyncio.Protocol):
         "head_since", "idle_since", "url", "content_type", "content_length", "expect", "trace_id",
         "keep_alive", "http_1_0", "method", "path", "query_string", "endpoint", "series", "body",
         "body_size", "answered", "started", "paused", "queue", "closing", "unsent", "stream", "drained",
+        "authorization",
     )
 
     def __init__(self, server: HttpServer) -> None:
@@ -393,10 +395,15 @@ class HttpConnection(asyncio.Protocol):
             self.series = self.server.app.unmatched_route
             self._answer_early(404, NOT_FOUND_BODY, _JSON)
             return
-        methods, endpoint, self.series = route
+        methods, endpoint, self.series, access = route
         if method not in methods:
             self._answer_early(405, NOT_ALLOWED_BODY, _JSON, b"allow: %s\r\n" % allow_header(methods))
             return
+        if access:  # API keys configured (only then is a route not OPEN): a `_KeyedConnection`
+            refusal = self.server.app.api_keys.check(self.authorization, access)  # type: ignore[union-attr]
+            if refusal is not None:
+                self._answer_early(refusal.status, refusal.body, _JSON, refusal.header)
+                return
         self.endpoint = endpoint
         if endpoint.max_body:
             refusal = body_refusal(self.content_type, self.content_length, endpoint.max_body)
@@ -693,6 +700,41 @@ class _HeadersConnection(HttpConnection):
         HttpConnection.on_message_complete(self)  # answered above: only resets and closes
 
 
+class _Keyed(HttpConnection):
+    """With API keys (`Service.protect`): also keeps each request's `Authorization` header,
+    which `on_headers_complete` hands to `ApiKeys.check`. A class of its own, so that without
+    keys no request pays for it."""
+
+    __slots__ = ()
+
+    def _reset_request(self) -> None:
+        super()._reset_request()
+        self.authorization: bytes | None = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 13 and name.lower() == b"authorization":
+            self.authorization = value
+        else:
+            super().on_header(name, value)
+
+
+class _KeyedHeadersConnection(_Keyed, _HeadersConnection):
+    """`_Keyed` for an app whose endpoints read headers: they see `Authorization` too."""
+
+    __slots__ = ()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 13 and name.lower() == b"authorization":
+            self.authorization = value
+        _HeadersConnection.on_header(self, name, value)
+
+
+def _connection_class(app: Service) -> type[HttpConnection]:
+    if app.api_keys is None:
+        return _HeadersConnection if app.wants_headers else HttpConnection
+    return _KeyedHeadersConnection if app.wants_headers else _Keyed
+
+
 class ConnectionCollector(Collector):
     """`/metrics` view of a server's `ConnectionLimits`."""
 
@@ -722,9 +764,11 @@ class StartupFailed(Exception):
 
 
 async def serve_app(
-    app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None
+    app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None,
+    tls: ReloadingContext | None = None,
 ) -> None:
-    """Start the app (its lifespan's start-up), listen until SIGINT/SIGTERM, drain, shut down."""
+    """Start the app (its lifespan's start-up), listen until SIGINT/SIGTERM, drain, shut down.
+    With `tls`, connections are TLS (see `dynamo_lite.tls`), certificates reloaded meanwhile."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -736,14 +780,22 @@ async def serve_app(
         raise StartupFailed("start-up failed") from exc
     try:
         server = HttpServer(app, limits, access_log)
+        tls_options: dict[str, object] = {}
+        if tls is not None:
+            # A handshake is part of the head: bounded by the same timeout.
+            tls_options = {"ssl": tls.listener, "ssl_handshake_timeout": limits.header_timeout_secs or None}
         try:
-            listener = await loop.create_server(server, host, port, backlog=BACKLOG)
+            listener = await loop.create_server(server, host, port, backlog=BACKLOG, **tls_options)  # type: ignore[arg-type]
         except OSError as exc:
             raise StartupFailed(f"cannot listen on {host}:{port}: {exc}") from exc
-        logger.info("listening on http://%s:%d", host if ":" not in host else f"[{host}]", port)
+        watch = loop.create_task(tls.watch()) if tls is not None else None
+        logger.info("listening on %s://%s:%d%s", "https" if tls else "http", host if ":" not in host else f"[{host}]",
+                    port, " (client certificates required)" if tls and tls.files.ca_certs else "")
         await stop.wait()
         logger.info("shutting down: answering the requests in flight")
         listener.close()
+        if watch is not None:
+            watch.cancel()
         await server.shut_down()
     except BaseException:
         if not await lifespan.__aexit__(*sys.exc_info()):
@@ -753,7 +805,8 @@ async def serve_app(
     logger.info("stopped")
 
 
-def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None) -> None:
+def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None,
+        tls: ReloadingContext | None = None) -> None:
     """`serve_app` on uvloop (the asyncio loop where uvloop is missing). A start-up failure (a
     bad snapshot, a port in use) is logged and ends the process with status 3, as uvicorn's."""
     try:
@@ -765,7 +818,7 @@ def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log
     runner = asyncio.Runner(loop_factory=new_loop) if sys.version_info >= (3, 11) else _runner(new_loop)
     with runner:
         try:
-            runner.run(serve_app(app, host, port, limits, access_log))
+            runner.run(serve_app(app, host, port, limits, access_log, tls))
         except StartupFailed as exc:
             logger.error("%s", exc, exc_info=exc.__cause__)
             raise SystemExit(STARTUP_FAILED_EXIT_STATUS) from None

@@ -7,6 +7,9 @@ import logging
 import sys
 
 from dynamo_lite.cli import (
+    add_security_arguments,
+    check_security_arguments,
+    peer_credentials,
     YOUNG_ONLY_GC_THRESHOLDS,
     add_recovery_arguments,
     configure_logging,
@@ -194,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
         "counts the missing batches as lost",
     )
     add_replica_arguments(parser)
+    add_security_arguments(parser)
     args = parse_args(parser, argv)
+    check_security_arguments(parser, args)
     try:
         workers = parse_workers(args.workers, model_name=args.model_name, tenant_id=args.tenant_id,
                                 block_size=args.block_size)
@@ -219,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         replay_timeout_secs=args.replay_timeout_secs,
         full_gc_interval_secs=args.full_gc_interval_secs,
         nats=nats,
+        peer_credentials=peer_credentials(args),
     ))
     serve(app, args, gc_thresholds=YOUNG_ONLY_GC_THRESHOLDS)
 

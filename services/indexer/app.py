@@ -25,6 +25,8 @@ from typing import Any, Optional, Union
 from msgspec import UNSET, UnsetType
 
 from dynamo_lite import http, validation
+from dynamo_lite.auth import Access
+from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.errors import InvalidArgument, InvalidShape, ServiceError
 from dynamo_lite.http import HandlerResult, QueryParams
 from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
@@ -359,6 +361,7 @@ class IndexerConfig:
     replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS
     full_gc_interval_secs: float = 0.0
     nats: StreamSettings | None = None  # replicas: the index lives in a JetStream stream (`--nats`)
+    peer_credentials: ClientCredentials = ClientCredentials()  # what `peers` want (`/dump`: a full API key)
 
 
 def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None = None) -> http.Service:
@@ -393,7 +396,8 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
     async def lifespan(app: http.Service) -> AsyncIterator[None]:
         if snapshots is not None:
             snapshots.restore()
-        await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
+        await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs,
+                      credentials=config.peer_credentials)
         if replica is not None:
             await replica.start()
             app.state.not_ready = replica.not_ready
@@ -429,10 +433,10 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             http.get("/workers", routes.workers, parameters=_FILTERS),
             http.post("/events", routes.events, max_body=LARGE_BODY,
                       read=_read_events_for_stream if replica is not None else decode_events_document),
-            http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest),
-            http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY),
+            http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest, access=Access.READ),
+            http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY, access=Access.READ),
             http.post("/routed", routes.routed, request_type=RoutedRequest, max_body=LARGE_BODY),
-            http.get("/dump", routes.dump),
+            http.get("/dump", routes.dump, access=Access.WRITE),  # the whole index: replicas, not gateways
             http.get("/peers", routes.list_peers),
             http.post("/register_peer", routes.register_peer),
             http.post("/deregister_peer", routes.deregister_peer),
