@@ -12,7 +12,9 @@ endpoints.
 What a server on a shared network needs, and what this one does:
 
 * **Request head size.** llhttp sets no limit on the request line and headers. Past
-  `MAX_REQUEST_HEAD` bytes the answer is a JSON 431 and the connection is closed.
+  `MAX_REQUEST_HEAD` bytes the answer is a JSON 431 and the connection is closed. A read that
+  holds a whole head (TLS delivers all it decrypted at once) is parsed in pieces, so that such
+  a head is refused too, not served.
 * **Request head time.** A head not complete within `header_timeout_secs` of its first byte (or
   of the connection, for a client that sends nothing) gets a JSON 408 and the connection is
   closed: clients that send half a head cannot hold file descriptors for good.
@@ -116,6 +118,9 @@ _CLOSE: Final = b"connection: close\r\n"
 _KEEP_ALIVE: Final = b"connection: keep-alive\r\n"
 _CHUNKED: Final = b"transfer-encoding: chunked\r\n"
 _LAST_CHUNK: Final = b"0\r\n\r\n"
+# Reads larger than this that start in a request head are parsed this much at a time; a head
+# is then refused within this many bytes past MAX_REQUEST_HEAD.
+_HEAD_PIECE: Final = 16 * 1024
 _STREAM_CLOSE_SECS: Final = 1.0  # after a shutdown's aborts, how long closing generators may take
 
 
@@ -310,6 +315,9 @@ class HttpConnection(asyncio.Protocol):
             self._record(DISCONNECTED)
 
     def data_received(self, data: bytes) -> None:
+        if len(data) > _HEAD_PIECE and self.reading_head:
+            self._received_in_pieces(data)
+            return
         self.idle_since = None
         if self.reading_head:
             if self.head_since is None:
@@ -335,6 +343,21 @@ class HttpConnection(asyncio.Protocol):
                 self.close()
             elif self.head_bytes == 0 and self.queue is None:
                 self.idle_since = self.server.loop.time()
+
+    def _received_in_pieces(self, data: bytes) -> None:
+        """One read may hold a whole head larger than `MAX_REQUEST_HEAD` (TLS hands over all it
+        decrypted at once; a fast client on a local socket too): fed in pieces while a head is
+        read, so that the bound is checked as the head grows, not after it was served."""
+        view = memoryview(data)
+        start = 0
+        while start < len(data):
+            if not self.reading_head:
+                self.data_received(bytes(view[start:]))  # a body: at once, as any read
+                return
+            self.data_received(bytes(view[start : start + _HEAD_PIECE]))
+            start += _HEAD_PIECE
+            if self.transport.is_closing():
+                return
 
     def pause_writing(self) -> None:
         self.paused = True
