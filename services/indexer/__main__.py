@@ -24,6 +24,7 @@ from dynamo_lite.cli import (
 from dynamo_lite.nats_connection import add_nats_arguments
 
 from .app import DEFAULT_APPROX_MAX_BLOCKS, DEFAULT_APPROX_TTL_SECS, IndexerConfig, create_app
+from .endpoints import EndpointRules
 from .jetstream import (
     DEFAULT_READY_MAX_LAG,
     DEFAULT_RETENTION_SECS,
@@ -128,6 +129,13 @@ def stream_settings(args: argparse.Namespace) -> StreamSettings | None:
     return settings
 
 
+def _endpoint_rules(text: str) -> EndpointRules:
+    try:
+        return EndpointRules.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -190,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     engines.add_argument("--tenant-id", "--routing-group", dest="tenant_id", default="default",
                          help="tenant (Dynamo: routing group) of the --workers")
     engines.add_argument(
+        "--allowed-endpoints", type=_endpoint_rules, default=None, metavar="RULE[,RULE...]",
+        help="engine endpoints POST /register may subscribe to, e.g. '10.0.0.0/8,*.engines.svc.cluster.local:5557,"
+        "ipc:///run/vllm/*': CIDRs or addresses, host name patterns (not resolved), each with an optional "
+        ":port or :low-high, or scheme://patterns; others are a 400 naming the rules. Default: any",
+    )
+    engines.add_argument(
         "--replay-timeout-secs",
         type=positive_float,
         default=DEFAULT_REPLAY_TIMEOUT_SECS,
@@ -225,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         full_gc_interval_secs=args.full_gc_interval_secs,
         nats=nats,
         peer_credentials=peer_credentials(args),
+        allowed_endpoints=args.allowed_endpoints,
     ))
     serve(app, args, gc_thresholds=YOUNG_ONLY_GC_THRESHOLDS)
 

@@ -36,6 +36,7 @@ from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
 
 from . import replication
 from .answers import query_answer
+from .endpoints import EndpointRules
 from .jetstream import ReplicaCollector, StreamReplica, StreamSettings
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
 from .metrics import IndexerCollector, ListenerCollector
@@ -148,6 +149,9 @@ class RoutedRequest(RequestBody):
 class IndexerRoutes:
     """One method per route; each returns (status, JSON-serialisable payload)."""
 
+    # `--allowed-endpoints`: the engine endpoints `/register` may subscribe to (None: any).
+    allowed_endpoints: EndpointRules | None = None
+
     def __init__(self, indexer: Indexer, peers: PeerList, listeners: Listeners) -> None:
         self.indexer = indexer
         self.peers = peers
@@ -172,6 +176,11 @@ class IndexerRoutes:
             if endpoint is None:
                 raise InvalidArgument("replay_endpoint needs an endpoint to subscribe to")
             validate_endpoint(replay_endpoint, "replay endpoint")
+        if self.allowed_endpoints is not None:
+            if endpoint is not None:
+                self.allowed_endpoints.check(endpoint)
+            if replay_endpoint is not None:
+                self.allowed_endpoints.check(replay_endpoint, "replay endpoint")
         return Subscription(model_name, tenant_id, block_size, instance_id, dp_rank, endpoint or "", replay_endpoint)
 
     def subscribe(self, subscription: Subscription, status: int = 201) -> Any:
@@ -362,6 +371,7 @@ class IndexerConfig:
     full_gc_interval_secs: float = 0.0
     nats: StreamSettings | None = None  # replicas: the index lives in a JetStream stream (`--nats`)
     peer_credentials: ClientCredentials = ClientCredentials()  # what `peers` want (`/dump`: a full API key)
+    allowed_endpoints: EndpointRules | None = None  # engine endpoints `/register` may subscribe to; None: any
 
 
 def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None = None) -> http.Service:
@@ -389,6 +399,7 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
         routes: IndexerRoutes = ReplicatedRoutes(indexer, peer_list, listeners, replica)
     else:
         routes = IndexerRoutes(indexer, peer_list, listeners)
+    routes.allowed_endpoints = config.allowed_endpoints
     snapshots = (Snapshots(indexer, snapshot, config.snapshot_interval_secs, ignore_bad=config.ignore_bad_snapshot)
                  if snapshot else None)
 
