@@ -40,9 +40,11 @@ class ClientCredentials:
 
     @classmethod
     def from_env(cls, verify: Verify = True, cert: Cert = None) -> ClientCredentials:
+        """The environment's key (`DYNAMO_LITE_API_KEY`, see `api_key_from_env`) with these TLS settings."""
         return cls(api_key_from_env(), verify, cert)
 
     def headers(self) -> dict[str, str]:
+        """The `Authorization` header to send (none without a key)."""
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def ssl_context(self) -> ssl.SSLContext | bool:
