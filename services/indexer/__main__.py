@@ -21,7 +21,7 @@ from dynamo_lite.cli import (
     service_parser,
 )
 
-from dynamo_lite.nats_connection import add_nats_arguments
+from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_APPROX_MAX_BLOCKS, DEFAULT_APPROX_TTL_SECS, IndexerConfig, create_app
 from .endpoints import EndpointRules
@@ -124,6 +124,7 @@ def stream_settings(args: argparse.Namespace) -> StreamSettings | None:
         ready_max_lag=args.nats_ready_max_lag,
         replica_name=args.nats_replica_name,
         reset_state=args.reset_state,
+        security=NatsSecurity.from_args(args),
     )
     settings.check()
     return settings

@@ -18,7 +18,7 @@ from dynamo_lite.cli import (
     serve,
     service_parser,
 )
-from dynamo_lite.nats_connection import add_nats_arguments
+from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_SNAPSHOT_INTERVAL_SECS, SlotTrackerConfig, create_app
 from .core import DEFAULT_REQUEST_TTL_SECS
@@ -86,7 +86,7 @@ def nats_settings(args: argparse.Namespace) -> NatsSettings | None:
         return None
     return NatsSettings(url=args.nats, subject_prefix=args.nats_subject_prefix,
                         join_timeout_secs=args.nats_join_timeout_secs,
-                        publish_timeout_secs=args.nats_publish_timeout_secs)
+                        publish_timeout_secs=args.nats_publish_timeout_secs, security=NatsSecurity.from_args(args))
 
 
 if __name__ == "__main__":
