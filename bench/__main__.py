@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import cores, indexer_http, report, slot_tracker_http, zmq_ingest
+from . import cores, indexer_http, report, security, slot_tracker_http, zmq_ingest
 from .runner import Results, Settings, machine_facts, progress
 from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu, reference_python
 from .wrk import ensure_wrk
@@ -39,6 +39,8 @@ SCENARIOS = {
     "zmq_ingest": "indexers subscribed to 16 vLLM engines over ZMQ: ingest in blocks/s, 64-block batches",
     "query_while_ingesting": "/query_by_hash p50 at c=1, idle and while 16 engines publish 200k blocks/s",
     "cores": "the pure cores' hot paths in microseconds (bench/cores.py), on the server CPU",
+    "security": "the API key check per request (in process) and TLS on /potential_loads and /query_by_hash "
+                "(bench/security.py)",
 }
 GROUPS = {
     "slot_tracker": ("health", "loads", "potential_loads", "lifecycle"),
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         indexer_http.run(results, args.selected, ref_python)
         zmq_ingest.run(results, args.selected, ref_python)
         cores.run(results, args.selected)
+        security.run(results, args.selected)
     finally:
         results.meta["wall_s"] = time.monotonic() - started
         results.save(output_dir / "results.json")

@@ -14,13 +14,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from reference_server import ServerURL, free_port, running_server
+from starlette.routing import Route
 
+from bench.security import MemoryTransport
 from dynamo_lite.auth import Access, ApiKeys, key_list, read_key_file
 from dynamo_lite.client import AsyncSlotTrackerClient, IndexerClient, ServiceCallError, SlotTrackerClient
 from dynamo_lite.credentials import ClientCredentials, api_key_from_env
-from dynamo_lite.http import Service
+from dynamo_lite.http import Answer, Headers, HeadersEndpoint, Service
+from dynamo_lite.server import ConnectionLimits, HttpServer
 from dynamo_lite.indexer.app import create_app as create_indexer
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
 
@@ -223,3 +227,33 @@ def test_the_simulator_clients_present_the_key(tmp_path: Path) -> None:
 
     with keyed_service("slot_tracker", tmp_path) as tracker, keyed_service("indexer", tmp_path) as indexer:
         asyncio.run(both(tracker, indexer))
+
+
+# --- the native server's keyed connections, in process ----------------------------------------
+
+
+class _HeaderNames(HeadersEndpoint):
+    def respond_with_headers(self, query_string: bytes, body: bytes, headers: Headers) -> Answer:
+        return 200, orjson.dumps([name.decode() for name, _ in headers]), b"application/json"
+
+
+def test_an_app_whose_endpoints_read_headers_sees_each_requests_own_headers_with_keys() -> None:
+    async def exchange() -> bytes:
+        app = Service(routes=[Route("/names", _HeaderNames(), methods=["GET"])])
+        app.protect(ApiKeys.from_texts(["w"]))
+        server = HttpServer(app, ConnectionLimits())
+        connection = server()
+        transport = MemoryTransport(keep=True)
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        connection.data_received(b"GET /names HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer w\r\nX-One: 1\r\n\r\n"
+                                 b"GET /names HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer w\r\n\r\n"
+                                 b"GET /names HTTP/1.1\r\nHost: a\r\n\r\n")
+        server.send_all()
+        connection.connection_lost(None)
+        return transport.written
+
+    written = asyncio.run(exchange())
+    answers = written.split(b"HTTP/1.1 ")[1:]
+    assert [answer[:3] for answer in answers] == [b"200", b"200", b"401"]
+    assert answers[0].endswith(b'["host","authorization","x-one"]')
+    assert answers[1].endswith(b'["host","authorization"]')  # the first request's headers are gone
