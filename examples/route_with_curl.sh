@@ -3,6 +3,8 @@
 #
 #   SLOT_TRACKER_URL=http://localhost:8091 INDEXER_URL=http://localhost:8090 bash examples/route_with_curl.sh
 #
+# Services started with --api-key: set DYNAMO_LITE_API_KEY too (sent as `Authorization: Bearer`).
+#
 # Worker 7 already holds the first 4 blocks of the prompt (tokens 1..64, block size 16), worker 8
 # nothing; worker 7 also has a request in flight. The prompt is tokens 1..96 (6 blocks).
 # cost = overlap_score_weight * prefill_blocks + decode_blocks, the lowest wins.
@@ -10,14 +12,16 @@ set -euo pipefail
 B=${SLOT_TRACKER_URL:-http://localhost:8091}
 I=${INDEXER_URL:-http://localhost:8090}
 J='Content-Type: application/json'
-post() { curl -sS --fail-with-body -X POST "$1" -H "$J" -d "$2"; }
+AUTH=()
+if [[ -n "${DYNAMO_LITE_API_KEY:-}" ]]; then AUTH=(-H "Authorization: Bearer ${DYNAMO_LITE_API_KEY%%,*}"); fi
+post() { curl -sS --fail-with-body "${AUTH[@]}" -X POST "$1" -H "$J" -d "$2"; }
 cleanup() {  # leave both services as they were, whatever happened
   for request in req-1 other; do
-    curl -sS -X POST "$B/free" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"request_id\":\"$request\"}" >/dev/null || true
+    curl -sS "${AUTH[@]}" -X POST "$B/free" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"request_id\":\"$request\"}" >/dev/null || true
   done
   for worker in 7 8; do
-    curl -sS -X POST "$B/unregister" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"worker_id\":$worker}" >/dev/null || true
-    curl -sS -X POST "$I/unregister" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"instance_id\":$worker}" >/dev/null || true
+    curl -sS "${AUTH[@]}" -X POST "$B/unregister" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"worker_id\":$worker}" >/dev/null || true
+    curl -sS "${AUTH[@]}" -X POST "$I/unregister" -H "$J" -d "{\"model_name\":\"llama-3-8b\",\"instance_id\":$worker}" >/dev/null || true
   done
 }
 trap cleanup EXIT
@@ -70,6 +74,6 @@ cached=$(grep -o "\"$best\":{\"0\":[0-9]*}" <<<"$overlap" | grep -o '[0-9]*}$' |
 post "$B/add" "{\"model_name\":\"llama-3-8b\",\"request_id\":\"req-1\",\"worker_id\":$best,\"dp_rank\":0,\"sequence_hashes\":$CHAINED,\"new_isl_tokens\":$(( ISL - ${cached:-0} ))}" >/dev/null
 post "$B/prefill_complete" '{"model_name":"llama-3-8b","request_id":"req-1"}' >/dev/null
 post "$B/output_blocks" '{"model_name":"llama-3-8b","request_id":"req-1","output_blocks":1}' >/dev/null
-echo "loads: $(curl -sS "$B/loads?model_name=llama-3-8b")"
+echo "loads: $(curl -sS "${AUTH[@]}" "$B/loads?model_name=llama-3-8b")"
 post "$B/free" '{"model_name":"llama-3-8b","request_id":"req-1"}' >/dev/null
 # 6. The exit trap frees the other request and unregisters both workers.

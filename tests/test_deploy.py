@@ -260,11 +260,14 @@ def check_pool_against_engines(pool: list[Any], engines: list[tuple[str, dict[st
 @contextlib.contextmanager
 def picker_from_manifest(env: dict[str, str], pool_text: str, tmp_path: Path) -> Iterator[tuple[int, int]]:
     """The picker run with a manifest's environment, its ports, pool file and services swapped
-    for local ones (a slot tracker and an indexer started here); yields (gRPC, HTTP) ports."""
+    for local ones (a slot tracker and an indexer started here, requiring the picker's
+    DYNAMO_LITE_API_KEY when it has one: it is ready only once it registered the pool with
+    that key); yields (gRPC, HTTP) ports."""
     grpc_port, http_port_ = free_port(), free_port()
     pool_file = tmp_path / "pool.yaml"
     pool_file.write_text(pool_text)
-    with running_service("slot_tracker") as tracker, running_service("indexer") as indexer:
+    keys = ("--api-key", env["DYNAMO_LITE_API_KEY"]) if "DYNAMO_LITE_API_KEY" in env else ()
+    with running_service("slot_tracker", *keys) as tracker, running_service("indexer", *keys) as indexer:
         local = {**env, "DYNAMO_LITE_HOST": "127.0.0.1", "DYNAMO_LITE_PORT": str(grpc_port),
                  "DYNAMO_LITE_METRICS_PORT": str(http_port_), "DYNAMO_LITE_POOL": str(pool_file),
                  "DYNAMO_LITE_SLOT_TRACKER": str(tracker), "DYNAMO_LITE_INDEXER": str(indexer),

@@ -3,7 +3,8 @@ the README's Python example is examples/quickstart.py verbatim.
 
 The examples read the services' addresses from SLOT_TRACKER_URL and INDEXER_URL (defaults:
 the services' own ports). Each example leaves the services as it found them, which the next
-one relies on: they share one slot tracker and one indexer here.
+one relies on: they share one slot tracker and one indexer here. The services require an API
+key, which the examples take from DYNAMO_LITE_API_KEY as the clients do.
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
+API_KEY = "examples-key"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+
+
 @pytest.fixture(scope="module")
 def services() -> Iterator[dict[str, str]]:
-    with running_service("slot_tracker") as tracker, running_service("indexer") as indexer:
-        yield {**os.environ, "SLOT_TRACKER_URL": str(tracker), "INDEXER_URL": str(indexer)}
+    with running_service("slot_tracker", "--api-key", API_KEY) as tracker, \
+            running_service("indexer", "--api-key", API_KEY) as indexer:
+        assert httpx.get(f"{tracker}/workers").status_code == 401
+        yield {**os.environ, "SLOT_TRACKER_URL": str(tracker), "INDEXER_URL": str(indexer),
+               "DYNAMO_LITE_API_KEY": API_KEY}
 
 
 def run(argv: list[str], env: dict[str, str]) -> str:
@@ -38,8 +46,8 @@ def run(argv: list[str], env: dict[str, str]) -> str:
 
 
 def assert_left_clean(env: dict[str, str]) -> None:
-    assert httpx.get(env["SLOT_TRACKER_URL"] + "/workers").json() == []
-    assert httpx.get(env["INDEXER_URL"] + "/workers").json() == []
+    assert httpx.get(env["SLOT_TRACKER_URL"] + "/workers", headers=AUTH).json() == []
+    assert httpx.get(env["INDEXER_URL"] + "/workers", headers=AUTH).json() == []
 
 
 def test_the_readme_python_example_is_the_quickstart_verbatim() -> None:
@@ -68,7 +76,8 @@ def test_sidecar_reports_an_engines_cache(services: dict[str, str]) -> None:
     assert "step 2: 2 events, applied 2, rejected 0, gaps 0" in out, out
     assert out.rstrip().endswith("worker 7 holds 2 blocks"), out
     # The example registers its worker and leaves it: a sidecar runs for the engine's lifetime.
-    httpx.post(services["INDEXER_URL"] + "/unregister", json={"instance_id": 7, "model_name": "llama-3-8b"})
+    httpx.post(services["INDEXER_URL"] + "/unregister", json={"instance_id": 7, "model_name": "llama-3-8b"},
+               headers=AUTH)
     assert_left_clean(services)
 
 
