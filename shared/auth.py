@@ -88,11 +88,19 @@ class ApiKeys:
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSALS, 0))
 
     def __post_init__(self) -> None:
-        if not self.write_keys:
+        self.replace(self.write_keys, self.read_keys)
+
+    def replace(self, write_keys: tuple[bytes, ...], read_keys: tuple[bytes, ...]) -> None:
+        """Take these keys instead (a rotation); ValueError, and nothing changed, for keys
+        that cannot be used."""
+        if not write_keys:
             raise ValueError("at least one full API key is needed (a read-only key alone would leave writes open)")
-        for key in (*self.write_keys, *self.read_keys):
+        for key in (*write_keys, *read_keys):
             if not key or key != key.strip() or b"\r" in key or b"\n" in key:
                 raise ValueError("an API key must be non-empty, without spaces around it or line breaks")
+        if set(write_keys) & set(read_keys):
+            raise ValueError("a key cannot be both a full key and a read-only key")
+        self.write_keys, self.read_keys = write_keys, read_keys
         self._keys = tuple((key, Access.WRITE) for key in self.write_keys) + tuple(
             (key, Access.READ) for key in self.read_keys
         )

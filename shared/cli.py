@@ -15,11 +15,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-from .auth import ApiKeys, key_list, read_key_file
+from .auth import ApiKeys, key_list
 from .credentials import ClientCredentials, api_key_from_env
 from .http import Service
 from .logs import DEFAULT_TRACE_ID_HEADER, LOG_FORMATS, AccessLog
 from .logs import configure_logging as configure_logging
+from .reloading import KeyFiles, read_keys
 from .server import DEFAULT_HEADER_TIMEOUT_SECS, DEFAULT_KEEP_ALIVE_SECS, ConnectionCollector, ConnectionLimits, run
 from .tls import ReloadingContext, TlsCollector, TlsFiles
 
@@ -215,22 +216,14 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
                      "--peers then present --ssl-certfile and check the peer's against this bundle")
 
 
-def api_keys(args: argparse.Namespace) -> ApiKeys | None:
-    """The keys of `add_security_arguments`' flags, or None when none is given; ValueError for
-    a key file that cannot be read or keys that cannot be used."""
-    write = list(getattr(args, "api_key", None) or [])
-    read = list(getattr(args, "read_api_key", None) or [])
-    for keys, path in ((write, getattr(args, "api_key_file", None)), (read, getattr(args, "read_api_key_file", None))):
-        if path:
-            try:
-                keys.extend(read_key_file(path))
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"cannot read the key file {path}: {exc}") from None
+def key_files(args: argparse.Namespace) -> KeyFiles | None:
+    """The keys of `add_security_arguments`' flags (kept up to date with their files), or None
+    when none is given; ValueError for a key file that cannot be read or keys that cannot be used."""
+    sources = (args.api_key, args.read_api_key, args.api_key_file, args.read_api_key_file)
+    write, read = read_keys(*sources)
     if not write and not read:
         return None
-    if set(write) & set(read):
-        raise ValueError("a key cannot be both a full key and a read-only key")
-    return ApiKeys.from_texts(write, read, public_metrics=args.public_metrics)
+    return KeyFiles(ApiKeys.from_texts(write, read, public_metrics=args.public_metrics), *sources)
 
 
 def add_client_arguments(parser: argparse.ArgumentParser, *, api_key_flag: str = "--api-key") -> None:
@@ -259,9 +252,10 @@ def check_security_arguments(parser: argparse.ArgumentParser, args: argparse.Nam
     """Read the keys now (`args.api_keys`), so that a bad key file stops the command with
     status 2 and a message, like any bad flag."""
     try:
-        args.api_keys = api_keys(args)
+        args.key_files = key_files(args)
     except ValueError as exc:
         parser.error(str(exc))
+    args.api_keys = args.key_files.api_keys if args.key_files is not None else None
     args.tls = None
     if args.ssl_certfile:
         try:
@@ -344,4 +338,5 @@ def serve(app: Service, args: argparse.Namespace, *, gc_thresholds: GcThresholds
     tls = getattr(args, "tls", None)
     if tls is not None:
         app.metrics_registry.register(TlsCollector(tls))
-    run(app, args.host, args.port, limits, access_log, tls)
+    files = getattr(args, "key_files", None)
+    run(app, args.host, args.port, limits, access_log, tls, [files] if files is not None and files.paths else [])

@@ -52,6 +52,13 @@ What a server on a shared network needs, and what this one does:
   of a 66 µs `/potential_loads` request went to that wake-up; with the burst,
   `/potential_loads` serves ~18 % more requests and the lifecycle mix ~10 % more. A lone
   request (c=1) is written at once, as before.
+* **API keys.** With keys (`Service.protect`), connections are `_Keyed`: they keep each
+  request's `Authorization` header, and a route that is not open answers a JSON 401/403 from
+  the head (`dynamo_lite.auth`), its body read and dropped as after any early answer. Without
+  keys no request runs any of it.
+* **TLS.** With `tls` the listener speaks TLS (`dynamo_lite.tls`); the handshake must finish
+  within the head timeout, and the connection cap counts connections once it has. Certificates
+  and key files are read again on SIGHUP and on change (`dynamo_lite.reloading`).
 * **Shutdown.** On SIGTERM/SIGINT the listener closes, idle connections close, requests in
   flight are answered and streams finish (up to `GRACEFUL_SHUTDOWN_SECS`, after which the
   connections left are aborted and their streams closed), then the app's lifespan shutdown runs
@@ -67,7 +74,7 @@ import logging
 import signal
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from email.utils import formatdate
 from functools import partial
@@ -96,6 +103,7 @@ from .http import (
 )
 from .logs import AccessLog
 from .metrics import DISCONNECTED, RouteSeries
+from .reloading import Reloadable, watch
 from .tls import ReloadingContext
 
 logger = logging.getLogger("dynamo_lite.server")
@@ -792,10 +800,11 @@ class StartupFailed(Exception):
 
 async def serve_app(
     app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None,
-    tls: ReloadingContext | None = None,
+    tls: ReloadingContext | None = None, reloadables: Sequence[Reloadable] = (),
 ) -> None:
     """Start the app (its lifespan's start-up), listen until SIGINT/SIGTERM, drain, shut down.
-    With `tls`, connections are TLS (see `dynamo_lite.tls`), certificates reloaded meanwhile."""
+    With `tls`, connections are TLS (see `dynamo_lite.tls`). `tls` and `reloadables` (API key
+    files) are read again on SIGHUP and when their files change (`dynamo_lite.reloading`)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -815,14 +824,15 @@ async def serve_app(
             listener = await loop.create_server(server, host, port, backlog=BACKLOG, **tls_options)  # type: ignore[arg-type]
         except OSError as exc:
             raise StartupFailed(f"cannot listen on {host}:{port}: {exc}") from exc
-        watch = loop.create_task(tls.watch()) if tls is not None else None
+        watched = [*reloadables, *([tls] if tls is not None else [])]
+        watcher = loop.create_task(watch(watched)) if watched else None
         logger.info("listening on %s://%s:%d%s", "https" if tls else "http", host if ":" not in host else f"[{host}]",
                     port, " (client certificates required)" if tls and tls.files.ca_certs else "")
         await stop.wait()
         logger.info("shutting down: answering the requests in flight")
         listener.close()
-        if watch is not None:
-            watch.cancel()
+        if watcher is not None:
+            watcher.cancel()
         await server.shut_down()
     except BaseException:
         if not await lifespan.__aexit__(*sys.exc_info()):
@@ -833,7 +843,7 @@ async def serve_app(
 
 
 def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None,
-        tls: ReloadingContext | None = None) -> None:
+        tls: ReloadingContext | None = None, reloadables: Sequence[Reloadable] = ()) -> None:
     """`serve_app` on uvloop (the asyncio loop where uvloop is missing). A start-up failure (a
     bad snapshot, a port in use) is logged and ends the process with status 3, as uvicorn's."""
     try:
@@ -845,7 +855,7 @@ def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log
     runner = asyncio.Runner(loop_factory=new_loop) if sys.version_info >= (3, 11) else _runner(new_loop)
     with runner:
         try:
-            runner.run(serve_app(app, host, port, limits, access_log, tls))
+            runner.run(serve_app(app, host, port, limits, access_log, tls, reloadables))
         except StartupFailed as exc:
             logger.error("%s", exc, exc_info=exc.__cause__)
             raise SystemExit(STARTUP_FAILED_EXIT_STATUS) from None

@@ -6,28 +6,24 @@ With `--ssl-ca-certs` every client must present a certificate that CA signed (mu
 Rotation: the listener's context never changes; its `sni_callback`, which OpenSSL calls for
 every handshake (with or without a server name), hands the connection the newest context. A new
 context is built from the files on SIGHUP and when their modification time or size changes
-(checked every `POLL_SECS`); a context that cannot be built (a key that does not match, a file
+(`dynamo_lite.reloading`); a context that cannot be built (a key that does not match, a file
 half written) is logged and the previous one stays in use. Connections already open keep the
 certificate they were made with.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import signal
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-logger = logging.getLogger("dynamo_lite.tls")
+from .reloading import file_stamp
 
-POLL_SECS: Final = 2.0
+logger = logging.getLogger("dynamo_lite.tls")
 
 
 @dataclass(frozen=True)
@@ -53,17 +49,6 @@ class TlsFiles:
             context.verify_mode = ssl.CERT_REQUIRED
         return context
 
-    def stamp(self) -> tuple[tuple[int, int], ...]:
-        """What changes when a file is replaced: (mtime in ns, size) of each, (0, 0) if missing."""
-        stamps = []
-        for path in self.paths():
-            try:
-                status = os.stat(path)
-            except OSError:
-                stamps.append((0, 0))
-            else:
-                stamps.append((status.st_mtime_ns, status.st_size))
-        return tuple(stamps)
 
 
 class ReloadingContext:
@@ -71,7 +56,7 @@ class ReloadingContext:
 
     def __init__(self, files: TlsFiles) -> None:
         self.files = files
-        self._stamp = files.stamp()
+        self._stamp = file_stamp(files.paths())
         self.current = files.context()  # fails at start-up, before the port opens: a bad flag
         self.listener = files.context()
         self.listener.sni_callback = self._select
@@ -85,7 +70,7 @@ class ReloadingContext:
 
     def reload(self) -> bool:
         """Build a context from the files now; keep the previous one if they cannot be used."""
-        self._stamp = self.files.stamp()
+        self._stamp = file_stamp(self.files.paths())
         try:
             context = self.files.context()
         except (ssl.SSLError, OSError, ValueError) as exc:
@@ -99,19 +84,8 @@ class ReloadingContext:
         return True
 
     def reload_if_changed(self) -> None:
-        if self.files.stamp() != self._stamp:
+        if file_stamp(self.files.paths()) != self._stamp:
             self.reload()
-
-    async def watch(self, poll_secs: float = POLL_SECS) -> None:
-        """Reload on SIGHUP and when a file changes, until cancelled."""
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
-        try:
-            while True:
-                await asyncio.sleep(poll_secs)
-                self.reload_if_changed()
-        finally:
-            loop.remove_signal_handler(signal.SIGHUP)
 
 
 class TlsCollector(Collector):
@@ -130,4 +104,4 @@ class TlsCollector(Collector):
                                 "1 with --ssl-ca-certs (mutual TLS)", 1 if self.context.files.ca_certs else 0)
 
 
-__all__ = ["POLL_SECS", "ReloadingContext", "TlsCollector", "TlsFiles"]
+__all__ = ["ReloadingContext", "TlsCollector", "TlsFiles"]

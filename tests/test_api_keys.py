@@ -257,3 +257,42 @@ def test_an_app_whose_endpoints_read_headers_sees_each_requests_own_headers_with
     assert [answer[:3] for answer in answers] == [b"200", b"200", b"401"]
     assert answers[0].endswith(b'["host","authorization","x-one"]')
     assert answers[1].endswith(b'["host","authorization"]')  # the first request's headers are gone
+
+
+def test_key_files_are_read_again_on_change_and_on_sighup(tmp_path: Path) -> None:
+    """A rotation without a restart: old and new, then new alone; a file left without any full
+    key is refused and the keys in force stay."""
+    import signal
+    import time
+
+    from dynamo_lite.reloading import POLL_SECS
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("old\n")
+    port = free_port()
+    argv = [sys.executable, "-m", "dynamo_lite.indexer", "--host", "127.0.0.1", "--port", str(port),
+            "--api-key-file", str(key_file)]
+
+    def status(client: httpx.Client, key: str) -> int:
+        return client.get("/workers", headers={"authorization": f"Bearer {key}"}).status_code
+
+    def eventually(client: httpx.Client, key: str, expected: int) -> None:
+        deadline = time.monotonic() + 5 * POLL_SECS + 10
+        while status(client, key) != expected:
+            assert time.monotonic() < deadline, f"key {key!r} still not answered {expected}"
+            time.sleep(0.1)
+
+    with running_server(argv, port, env={k: v for k, v in os.environ.items() if k != "DYNAMO_LITE_API_KEY"}) as url, \
+            httpx.Client(base_url=url, timeout=10) as client:
+        assert (status(client, "old"), status(client, "new")) == (200, 401)
+        key_file.write_text("old\nnew\n")
+        eventually(client, "new", 200)
+        assert status(client, "old") == 200
+        key_file.write_text("# nothing left\n")  # no full key: refused, the keys stay
+        time.sleep(2 * POLL_SECS + 0.5)
+        assert (status(client, "old"), status(client, "new")) == (200, 200)
+        assert "not reloaded" in url.log_text()
+        key_file.write_text("new\n")
+        os.kill(url.process.pid, signal.SIGHUP)
+        eventually(client, "old", 401)
+        assert status(client, "new") == 200
