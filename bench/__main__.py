@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import cores, indexer_http, memory, report, slot_tracker_http, zmq_ingest
+from . import cores, indexer_http, memory, report, security, slot_tracker_http, zmq_ingest
 from .runner import Results, Settings, machine_facts, progress
 from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu, reference_python
 from .wrk import ensure_wrk
@@ -42,6 +42,8 @@ SCENARIOS = {
     "query_while_ingesting": "/query_by_hash p50 at c=1, idle and while 16 engines publish 200k blocks/s",
     "ingest_pauses": "longest /query_by_hash latency (and p99) while 16 engines publish ~1M pairs, and idle",
     "cores": "the pure cores' hot paths in microseconds (bench/cores.py), on the server CPU",
+    "security": "the API key check per request (in process) and TLS on /potential_loads and /query_by_hash "
+                "(bench/security.py)",
 }
 GROUPS = {
     "slot_tracker": ("health", "loads", "potential_loads", "lifecycle"),
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         zmq_ingest.run(results, args.selected, ref_python)
         memory.run(results, args.selected, ref_python)
         cores.run(results, args.selected)
+        security.run(results, args.selected)
     finally:
         results.meta["wall_s"] = time.monotonic() - started
         results.save(output_dir / "results.json")

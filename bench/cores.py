@@ -39,19 +39,27 @@ def run(results: Results, selected: set[str]) -> None:
     if "cores" not in selected:
         return
     progress(f"cores: pure hot paths on CPU {SERVER_CPU}")
-    done = subprocess.run(["taskset", "-c", str(SERVER_CPU), sys.executable, "-m", "bench.cores", "--json"],
+    results.cores.extend({"name": name, "us": us} for name, us in on_server_cpu("bench.cores").items())
+
+
+def on_server_cpu(module: str) -> dict[str, Any]:
+    """`python -m <module> --json` pinned to the server CPU: its {name: microseconds}."""
+    done = subprocess.run(["taskset", "-c", str(SERVER_CPU), sys.executable, "-m", module, "--json"],
                           capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
-    measured: dict[str, Any] = json.loads(done.stdout)
-    results.cores.extend({"name": name, "us": us} for name, us in measured.items())
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
-def main() -> None:
-    measured = measure()
+def print_measured(measured: dict[str, float], width: int = 45, digits: int = 1) -> None:
+    """{name: microseconds} as JSON with `--json` on the command line, else as a table."""
     if "--json" in sys.argv[1:]:
         print(json.dumps(measured))
         return
     for name, us in measured.items():
-        print(f"{name:<45} {us:8.1f} us")
+        print(f"{name:<{width}} {us:8.{digits}f} us")
+
+
+def main() -> None:
+    print_measured(measure())
 
 
 if __name__ == "__main__":

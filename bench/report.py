@@ -30,6 +30,8 @@ CORE_TARGETS_US = {
     "potential_loads, 512 hashes, 256 ranks": 100.0,
     "add + prefill_complete + free, 256 hashes": 30.0,
     "query_by_hash, 512 hashes, 16 workers": 30.0,
+    # Issue 28: what a configured API key may add to a request (bench/security.py).
+    "API key check per request (keyed − open, native server, GET /loads)": 1.0,
 }
 INGEST_LATENCY_TARGET = 1.5  # /query_by_hash p50 while engines publish ÷ idle p50
 ZMQ_DETAIL_PREFIX = "ZMQ"
@@ -290,6 +292,7 @@ def render(data: dict[str, Any]) -> str:
     _ingest_latency_section(add, table)
     _memory_section(add, data)
     _cores_section(add, data)
+    _tls_section(add, data)
     _profiles_section(add, data)
 
     add("## Why targets are not met\n")
@@ -438,7 +441,28 @@ def _cores_section(add: Callable[[str], None], data: dict[str, Any]) -> None:
         add(f"| {row['name']} | {row['us']:.1f} |")
     add("")
     add("Each figure is the worst over 10 / 1k / 10k active requests of the best of five timings; the "
-        "query is the slower of its i64 and u64 variants.\n")
+        "query is the slower of its i64 and u64 variants. The API key rows (`--only security`) time the "
+        "native server's own path in process, a `GET /loads` answered without sockets, with and without "
+        "keys (bench/security.py).\n")
+
+
+def _tls_section(add: Callable[[str], None], data: dict[str, Any]) -> None:
+    rows = data.get("security") or []
+    if not rows:
+        return
+    add("## TLS on the heavy routes (ours, http vs https, `bench/security.py`)\n")
+    add("| route | connections | http req/s | https req/s | https ÷ http | http p50 ms | https p50 ms |")
+    add("|---|---|---|---|---|---|---|")
+    by_key = {(row["route"], row["connections"], row["scheme"]): row for row in rows}
+    for route, connections in sorted({(row["route"], row["connections"]) for row in rows}):
+        plain, tls = by_key.get((route, connections, "http")), by_key.get((route, connections, "https"))
+        if plain is None or tls is None:
+            continue
+        add(f"| `{route}` | {connections} | {plain['rps']:,.0f} | {tls['rps']:,.0f} | "
+            f"{_fmt_ratio(_ratio(tls['rps'], plain['rps']))} | {plain['p50_us'] / 1000:.3f} | {tls['p50_us'] / 1000:.3f} |")
+    add("")
+    add("One run per point, keep-alive connections (the handshake is not counted); the key check's own "
+        "cost is in the cores table above.\n")
 
 
 def _profiles_section(add: Callable[[str], None], data: dict[str, Any]) -> None:

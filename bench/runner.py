@@ -66,6 +66,7 @@ class Results:
     pauses: list[dict[str, Any]] = field(default_factory=list)  # query latency idle / while ingesting
     profiles: list[dict[str, Any]] = field(default_factory=list)
     cores: list[dict[str, Any]] = field(default_factory=list)  # {"name", "us"}: bench/cores.py
+    security: list[dict[str, Any]] = field(default_factory=list)  # TLS runs: bench/security.py
     notes: list[str] = field(default_factory=list)
 
     def note(self, text: str) -> None:
@@ -79,7 +80,8 @@ class Results:
     def to_json(self) -> dict[str, Any]:
         return {"settings": self.settings.__dict__, "meta": self.meta, "runs": self.runs, "ingest": self.ingest,
                 "memory": self.memory, "index_memory": self.index_memory,
-                "tracker_memory": self.tracker_memory, "pauses": self.pauses, "profiles": self.profiles, "cores": self.cores, "notes": self.notes}
+                "tracker_memory": self.tracker_memory, "pauses": self.pauses, "profiles": self.profiles,
+                "cores": self.cores, "security": self.security, "notes": self.notes}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")

@@ -7,18 +7,21 @@
 # 42 nothing; worker 41 also has a request in flight. The prompt is tokens 1..96 (6 blocks).
 # cost = overlap_score_weight * prefill_blocks + decode_blocks, the lowest wins.
 # The workers and the model (curl-example) are this example's own, so it runs next to the other
-# examples and the simulator against the same services.
+# examples and the simulator against the same services. Services started with --api-key: set
+# DYNAMO_LITE_API_KEY too (sent as `Authorization: Bearer`).
 set -euo pipefail
 B=${SLOT_TRACKER_URL:-http://localhost:8091}
 I=${INDEXER_URL:-http://localhost:8090}
 J='Content-Type: application/json'
 MODEL=curl-example
+AUTH=()
+if [[ -n "${DYNAMO_LITE_API_KEY:-}" ]]; then AUTH=(-H "Authorization: Bearer ${DYNAMO_LITE_API_KEY%%,*}"); fi
 # POST $1 with body $2; print the answer. A refusal ends the script with the service's own
 # message on one line (curl's "(22) ... 409" says nothing of why); curl's own line says why a
 # connection failed.
 post() {
   local answer status
-  answer=$(curl -sS -X POST "$1" -H "$J" -d "$2" -w $'\n%{http_code}') || exit 1
+  answer=$(curl -sS "${AUTH[@]}" -X POST "$1" -H "$J" -d "$2" -w $'\n%{http_code}') || exit 1
   status=${answer##*$'\n'}
   answer=${answer%$'\n'*}
   if [ "$status" -ge 300 ]; then
@@ -31,7 +34,7 @@ created=()  # what this run registered and added, undone in reverse by the exit 
 cleanup() {
   local index
   for (( index=${#created[@]} - 1; index >= 0; index-- )); do
-    curl -sS -X POST ${created[index]} -H "$J" >/dev/null || true
+    curl -sS "${AUTH[@]}" -X POST ${created[index]} -H "$J" >/dev/null || true
   done
 }
 trap cleanup EXIT
@@ -88,6 +91,6 @@ post "$B/add" "{\"model_name\":\"$MODEL\",\"request_id\":\"req-1\",\"worker_id\"
 created+=("$B/free -d {\"model_name\":\"$MODEL\",\"request_id\":\"req-1\"}")
 post "$B/prefill_complete" '{"model_name":"curl-example","request_id":"req-1"}' >/dev/null
 post "$B/output_blocks" '{"model_name":"curl-example","request_id":"req-1","output_blocks":1}' >/dev/null
-echo "loads: $(curl -sS "$B/loads?model_name=$MODEL")"
+echo "loads: $(curl -sS "${AUTH[@]}" "$B/loads?model_name=$MODEL")"
 post "$B/free" '{"model_name":"curl-example","request_id":"req-1"}' >/dev/null
 # 6. The exit trap frees the other request and unregisters both workers: what this run created.

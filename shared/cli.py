@@ -10,15 +10,20 @@ import argparse
 import gc
 import os
 import resource
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 
+from .auth import ApiKeys, key_list
+from .credentials import ClientCredentials, api_key_from_env
 from .http import Service
 from .logs import DEFAULT_TRACE_ID_HEADER, LOG_FORMATS, AccessLog
 from .logs import configure_logging as configure_logging
+from .reloading import KeyFiles, read_keys
 from .server import DEFAULT_HEADER_TIMEOUT_SECS, DEFAULT_KEEP_ALIVE_SECS, ConnectionCollector, ConnectionLimits, run
+from .tls import ReloadingContext, TlsCollector, TlsFiles
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 ENV_PREFIX = "DYNAMO_LITE_"
@@ -51,7 +56,7 @@ def service_parser(prog: str, description: str, default_port: int) -> argparse.A
         description=description,
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind (no authentication: keep it on a trusted network)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (without --api-key anyone who reaches it may write: keep it on a trusted network)")
     parser.add_argument("--port", type=_port, default=default_port, help="TCP port to listen on")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="minimum level of log lines")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
@@ -201,6 +206,98 @@ def add_recovery_arguments(
     )
 
 
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--api-key` and friends (see `dynamo_lite.auth` and docs/security.md)."""
+    group = parser.add_argument_group(
+        "API keys", "without a key every route is open, as in Dynamo; with one, every route but /health and "
+        "/ready needs `Authorization: Bearer KEY` (401 otherwise)"
+    )
+    group.add_argument("--api-key", type=key_list, default=[], metavar="KEY[,KEY...]",
+                       help="full keys (every route); several, comma-separated, while rotating. Prefer "
+                       "--api-key-file or the environment: a command line is visible to every local user")
+    group.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="file of full keys, one per line (# comments and blank lines skipped), added to --api-key")
+    group.add_argument("--read-api-key", type=key_list, default=[], metavar="KEY[,KEY...]",
+                       help="read-only keys: the query routes (GET, /potential_loads, /query, /query_by_hash), "
+                       "not the writes nor /dump (403)")
+    group.add_argument("--read-api-key-file", default=None, metavar="PATH",
+                       help="file of read-only keys, one per line, added to --read-api-key")
+    group.add_argument("--public-metrics", action=argparse.BooleanOptionalAction, default=False,
+                       help="serve /metrics without a key (by default any key, read-only included, may scrape it)")
+    tls = parser.add_argument_group(
+        "TLS", "uvicorn's flags; the files are re-read on SIGHUP and when they change, without a restart"
+    )
+    tls.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                     help="PEM certificate (chain): serve https only")
+    tls.add_argument("--ssl-keyfile", default=None, metavar="PATH",
+                     help="PEM private key of --ssl-certfile (default: in --ssl-certfile)")
+    tls.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                     help="CA bundle: clients must present a certificate it signed (mutual TLS). Calls to "
+                     "--peers then present --ssl-certfile and check the peer's against this bundle")
+
+
+def key_files(args: argparse.Namespace) -> KeyFiles | None:
+    """The keys of `add_security_arguments`' flags (kept up to date with their files), or None
+    when none is given; ValueError for a key file that cannot be read or keys that cannot be used."""
+    sources = (args.api_key, args.read_api_key, args.api_key_file, args.read_api_key_file)
+    write, read = read_keys(*sources)
+    if not write and not read:
+        return None
+    return KeyFiles(ApiKeys.from_texts(write, read, public_metrics=args.public_metrics), *sources)
+
+
+def add_client_arguments(parser: argparse.ArgumentParser, *, api_key_flag: str = "--api-key") -> None:
+    """The flags of a program that calls the services: the key it sends and its TLS settings."""
+    group = parser.add_argument_group("calling the services (API key, TLS)")
+    group.add_argument(api_key_flag, dest="api_key", default=None, metavar="KEY",
+                       help="API key sent to the slot tracker and the indexer (`Authorization: Bearer KEY`); "
+                       "default: DYNAMO_LITE_API_KEY (its first key when it lists several)")
+    group.add_argument("--services-ca-certs", default=None, metavar="PATH",
+                       help="CA bundle that signed the services' certificates (https:// URLs); default: the system's")
+    group.add_argument("--services-certfile", default=None, metavar="PATH",
+                       help="client certificate (PEM) for services that require one (--ssl-ca-certs: mutual TLS)")
+    group.add_argument("--services-keyfile", default=None, metavar="PATH", help="private key of --services-certfile")
+
+
+def client_credentials_from(args: argparse.Namespace) -> ClientCredentials:
+    """What `add_client_arguments`' flags say to present to the services."""
+    api_key = (key_list(args.api_key) or [None])[0] if args.api_key is not None else api_key_from_env()
+    cert = None
+    if args.services_certfile:
+        cert = (args.services_certfile, args.services_keyfile) if args.services_keyfile else args.services_certfile
+    return ClientCredentials(api_key or None, args.services_ca_certs or True, cert)
+
+
+def check_security_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Read the keys now (`args.api_keys`), so that a bad key file stops the command with
+    status 2 and a message, like any bad flag."""
+    try:
+        args.key_files = key_files(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.api_keys = args.key_files.api_keys if args.key_files is not None else None
+    args.tls = None
+    if args.ssl_certfile:
+        try:
+            args.tls = ReloadingContext(TlsFiles(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs))
+        except (OSError, ssl.SSLError) as exc:
+            parser.error(f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs cannot be used: {exc}")
+    elif args.ssl_keyfile or args.ssl_ca_certs:
+        parser.error("--ssl-keyfile and --ssl-ca-certs need --ssl-certfile")
+
+
+def peer_credentials(args: argparse.Namespace) -> ClientCredentials:
+    """What a service presents to its `--peers`: its first full key (their `/dump` needs one);
+    with `--ssl-ca-certs`, its own certificate, and the peers' checked against that bundle (one
+    CA for the fleet)."""
+    keys: ApiKeys | None = args.api_keys
+    api_key = keys.write_keys[0].decode() if keys is not None and keys.write_keys else None
+    if not args.ssl_ca_certs:
+        return ClientCredentials(api_key)
+    cert = (args.ssl_certfile, args.ssl_keyfile) if args.ssl_keyfile else args.ssl_certfile
+    return ClientCredentials(api_key, args.ssl_ca_certs, cert)
+
+
 GcThresholds = tuple[int, int, int]
 DEFAULT_GC_THRESHOLDS: GcThresholds = (50_000, 20, 100)
 # Collect the young generation only: older generations are never scanned automatically (see
@@ -256,4 +353,11 @@ def serve(app: Service, args: argparse.Namespace, *, gc_thresholds: GcThresholds
         max_connections = default_max_connections(open_files)
     limits = ConnectionLimits(args.header_timeout_secs, max_connections, args.keep_alive_secs)
     app.metrics_registry.register(ConnectionCollector(limits))
-    run(app, args.host, args.port, limits, access_log)
+    keys = getattr(args, "api_keys", None)
+    if keys is not None:
+        app.protect(keys)
+    tls = getattr(args, "tls", None)
+    if tls is not None:
+        app.metrics_registry.register(TlsCollector(tls))
+    files = getattr(args, "key_files", None)
+    run(app, args.host, args.port, limits, access_log, tls, [files] if files is not None and files.paths else [])

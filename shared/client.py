@@ -6,6 +6,11 @@ tests. All share one `httpx.AsyncClient` per instance (connection pooling, keep-
 timeout per call; a non-2xx answer raises `ServiceCallError` with the status and the service's
 `{"error": ...}` message.
 
+Services started with `--api-key` want `Authorization: Bearer KEY`: every client takes
+`api_key=` (default: `DYNAMO_LITE_API_KEY`; `""` sends none), and for https:// URLs `verify=`
+(True, a CA bundle path or an `ssl.SSLContext`) and `cert=` (a client certificate for mutual
+TLS), as httpx does; or one `credentials=ClientCredentials(...)` for all three.
+
 Answer rows of the slot tracker, re-exported here (they are the tracker core's own types, one
 definition of the wire shape):
 
@@ -27,6 +32,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 import orjson
 
+from .credentials import Cert, ClientCredentials, Verify, client_credentials
 # The slot tracker's answer rows are the core's own types: one definition of the wire shape.
 from .slot_tracker.core import PotentialLoad, RankLoad, WorkerInfo
 
@@ -78,17 +84,23 @@ class OverlapScores:
 class _Transport:
     """One pooled connection set to one service."""
 
-    def __init__(self, base_url: str, timeout: float, client: httpx.AsyncClient | None) -> None:
+    def __init__(self, base_url: str, timeout: float, client: httpx.AsyncClient | None,
+                 credentials: ClientCredentials) -> None:
         self._owns_client = client is None
+        # A client passed in keeps its own settings; the key still goes with every call.
+        key_headers = credentials.headers() if client is not None else {}
+        self._json_headers = {"content-type": "application/json", **key_headers}
+        self._plain_headers = key_headers or None
         self._client = client or httpx.AsyncClient(
             base_url=base_url,
             timeout=timeout,
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+            **credentials.httpx_options(),
         )
 
     async def call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None) -> Any:
         content = None if body is None else orjson.dumps(body)
-        headers = {"content-type": "application/json"} if content is not None else None
+        headers = self._json_headers if content is not None else self._plain_headers
         try:
             response = await self._client.request(method, path, content=content, headers=headers, params=params)
         except httpx.TransportError as exc:
@@ -122,15 +134,19 @@ class _AsyncServiceClient:
     """Connection pool and lifecycle shared by both async clients."""
 
     def __init__(self, base_url: str, *, timeout: float, client: httpx.AsyncClient | None,
-                 pipelined: bool = False) -> None:
+                 pipelined: bool = False, api_key: str | None = None, verify: Verify = True, cert: Cert = None,
+                 credentials: ClientCredentials | None = None) -> None:
+        if credentials is None:
+            credentials = client_credentials(api_key, verify, cert)
+        self.credentials = credentials
         if pipelined:
             if client is not None:
                 raise ValueError("pipelined=True makes its own connections: pass no httpx client")
             from .pipelined import PipelinedTransport  # imports ServiceCallError from here
 
-            self._transport: Any = PipelinedTransport(base_url, timeout)
+            self._transport: Any = PipelinedTransport(base_url, timeout, api_key=credentials.api_key)
         else:
-            self._transport = _Transport(base_url, timeout, client)
+            self._transport = _Transport(base_url, timeout, client, credentials)
 
     async def __aenter__(self: _C) -> _C:
         return self
@@ -163,8 +179,13 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
         timeout: float = DEFAULT_TIMEOUT_SECS,
         client: httpx.AsyncClient | None = None,
         pipelined: bool = False,
+        api_key: str | None = None,
+        verify: Verify = True,
+        cert: Cert = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
-        super().__init__(base_url, timeout=timeout, client=client, pipelined=pipelined)
+        super().__init__(base_url, timeout=timeout, client=client, pipelined=pipelined, api_key=api_key,
+                         verify=verify, cert=cert, credentials=credentials)
 
     async def register(
         self,
@@ -292,8 +313,13 @@ class AsyncIndexerClient(_AsyncServiceClient):
         timeout: float = DEFAULT_TIMEOUT_SECS,
         client: httpx.AsyncClient | None = None,
         pipelined: bool = False,
+        api_key: str | None = None,
+        verify: Verify = True,
+        cert: Cert = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
-        super().__init__(base_url, timeout=timeout, client=client, pipelined=pipelined)
+        super().__init__(base_url, timeout=timeout, client=client, pipelined=pipelined, api_key=api_key,
+                         verify=verify, cert=cert, credentials=credentials)
 
     async def register(
         self,
@@ -459,8 +485,9 @@ class SlotTrackerClient(_Blocking[AsyncSlotTrackerClient]):
     scripts and tests, not inside a running event loop. Use `with` or call `close()`.
     """
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8091", *, timeout: float = DEFAULT_TIMEOUT_SECS) -> None:
-        super().__init__(AsyncSlotTrackerClient(base_url, timeout=timeout))
+    def __init__(self, base_url: str = "http://127.0.0.1:8091", *, timeout: float = DEFAULT_TIMEOUT_SECS,
+                 api_key: str | None = None, verify: Verify = True, cert: Cert = None) -> None:
+        super().__init__(AsyncSlotTrackerClient(base_url, timeout=timeout, api_key=api_key, verify=verify, cert=cert))
 
 
 class IndexerClient(_Blocking[AsyncIndexerClient]):
@@ -470,12 +497,14 @@ class IndexerClient(_Blocking[AsyncIndexerClient]):
     and tests, not inside a running event loop. Use `with` or call `close()`.
     """
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8090", *, timeout: float = DEFAULT_TIMEOUT_SECS) -> None:
-        super().__init__(AsyncIndexerClient(base_url, timeout=timeout))
+    def __init__(self, base_url: str = "http://127.0.0.1:8090", *, timeout: float = DEFAULT_TIMEOUT_SECS,
+                 api_key: str | None = None, verify: Verify = True, cert: Cert = None) -> None:
+        super().__init__(AsyncIndexerClient(base_url, timeout=timeout, api_key=api_key, verify=verify, cert=cert))
 
 
 __all__ = [
     "AsyncIndexerClient",
+    "ClientCredentials",
     "AsyncSlotTrackerClient",
     "IndexerClient",
     "OverlapScores",

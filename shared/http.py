@@ -35,6 +35,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from .auth import Access, ApiKeys, ApiKeysCollector
 from .errors import (
     MalformedRequest,
     PayloadTooLarge,
@@ -280,6 +281,9 @@ class DirectEndpoint(abc.ABC):
     # then keeps the headers of every request of its connections; apps without such an
     # endpoint pay nothing.
     wants_headers: bool = False
+    # What a request's API key must reach when keys are configured (`Service.protect`); None:
+    # READ for a GET route, WRITE for the others.
+    access: Access | None = None
 
     @abc.abstractmethod
     def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer | StreamAnswer: ...
@@ -447,7 +451,8 @@ METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 class MetricsEndpoint(DirectEndpoint):
-    """`GET /metrics`: the registry in Prometheus text format, collected at each scrape."""
+    """`GET /metrics`: the registry in Prometheus text format, collected at each scrape. With
+    API keys, any key may scrape it, or anyone with `--public-metrics`."""
 
     def __init__(self, registry: Any) -> None:
         self.registry = registry
@@ -463,7 +468,9 @@ NOT_READY_BODY = error_body("not ready: start-up has not finished, or shutdown h
 class ReadyEndpoint(DirectEndpoint):
     """`GET /ready`: 200 once `state.ready` is true, 503 before (and from shutdown on). An app
     may also set `state.not_ready` to a function that says why it cannot serve yet (a replica
-    catching up with its stream), or None when it can."""
+    catching up with its stream), or None when it can. Open to all: probes carry no key."""
+
+    access = Access.OPEN
 
     def __init__(self, state: Any) -> None:
         self.state = state
@@ -485,21 +492,31 @@ def post(
     request_type: type[RequestBody] | None = None,
     read: Callable[[bytes], Any] | None = None,
     max_body: int = DEFAULT_MAX_BODY,
+    access: Access = Access.WRITE,
 ) -> Route:
     """A POST route; the handler gets the body as `request_type` (see `RequestBody`), or as
-    `read` returns it, or else as the decoded JSON document."""
+    `read` returns it, or else as the decoded JSON document. `access`: READ for a query that
+    changes nothing (a read-only key may call it)."""
     if read is None:
         read = decoder(request_type) if request_type is not None else decode_json
-    return Route(path, JsonBodyEndpoint(handler, read=read, max_body=max_body), methods=["POST"])
+    endpoint = JsonBodyEndpoint(handler, read=read, max_body=max_body)
+    endpoint.access = access
+    return Route(path, endpoint, methods=["POST"])
 
 
-def get(path: str, handler: QueryHandler, *, parameters: frozenset[str] = frozenset()) -> Route:
-    return Route(path, JsonQueryEndpoint(handler, parameters=parameters), methods=["GET"])
+def get(path: str, handler: QueryHandler, *, parameters: frozenset[str] = frozenset(),
+        access: Access = Access.READ) -> Route:
+    """A GET route; `access`: WRITE for one only a full key may call (`/dump`: the whole state)."""
+    endpoint = JsonQueryEndpoint(handler, parameters=parameters)
+    endpoint.access = access
+    return Route(path, endpoint, methods=["GET"])
 
 
 def health_route() -> Route:
-    """Liveness only: 200 with an empty body as soon as the listener answers."""
-    return Route("/health", StaticEndpoint(b"", content_type=None), methods=["GET"])
+    """Liveness only: 200 with an empty body as soon as the listener answers; open to all."""
+    endpoint = StaticEndpoint(b"", content_type=None)
+    endpoint.access = Access.OPEN
+    return Route("/health", endpoint, methods=["GET"])
 
 
 def openapi_route(spec_path: Path) -> Route:
@@ -524,6 +541,18 @@ class RouteEntry(NamedTuple):
     methods: frozenset[str]
     endpoint: DirectEndpoint
     series: RouteSeries
+    # OPEN for every route until `Service.protect`: the servers check keys only when not OPEN.
+    access: Access = Access.OPEN
+
+
+def route_access(entry: RouteEntry, public_metrics: bool) -> Access:
+    """The level a request's key must reach to call `entry` (see `dynamo_lite.auth`)."""
+    endpoint = entry.endpoint
+    if type(endpoint) is MetricsEndpoint:
+        return Access.OPEN if public_metrics else Access.READ
+    if endpoint.access is not None:
+        return endpoint.access
+    return Access.READ if entry.methods <= {"GET", "HEAD"} else Access.WRITE
 
 
 class Service(Starlette):
@@ -567,6 +596,15 @@ class Service(Starlette):
         # Whether the native server must keep request headers for some route (`wants_headers`).
         self.wants_headers = any(entry.endpoint.wants_headers for entry in self._table.values())
         self.access_log: AccessLog | None = None
+        self.api_keys: ApiKeys | None = None
+
+    def protect(self, api_keys: ApiKeys) -> None:
+        """Require `api_keys` on every route but the probes (and `/metrics` with
+        `public_metrics`); refusals are counted in `/metrics`."""
+        self.api_keys = api_keys
+        for path, entry in self._table.items():
+            self._table[path] = entry._replace(access=route_access(entry, api_keys.public_metrics))
+        self.metrics_registry.register(ApiKeysCollector(api_keys))
 
     def endpoint(self, path: str) -> RouteEntry | None:
         """The methods, endpoint and metric series of `path`; None for a path that is no route."""
@@ -598,6 +636,10 @@ class Service(Starlette):
             series, status = route.series, 405
             await send_bytes(send, status, NOT_ALLOWED_BODY, head=head,
                              extra_headers=[(b"allow", allow_header(route.methods))])
+        elif route.access and (refusal := self.api_keys.check(_header(scope, b"authorization"),  # type: ignore[union-attr]
+                                                               route.access)) is not None:
+            series, status = route.series, refusal.status
+            await send_bytes(send, status, refusal.body, head=head, extra_headers=[refusal.header_pair])
         else:
             series = route.series
             status = await route.endpoint(scope, receive, send)

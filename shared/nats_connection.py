@@ -9,6 +9,10 @@ The connection reconnects forever (every `RECONNECT_WAIT_SECS`): a NATS server r
 network blip must not stop a replica, only delay its replication. While disconnected, nats-py
 keeps what is published in a buffer of `PENDING_BYTES` and sends it after reconnecting;
 `/metrics` shows whether the connection is up and how often it dropped.
+
+Authorization: user/password or a token in the URL (`nats://user:password@host:4222`, as
+nats-py reads it), a credentials file (`--nats-creds`), and TLS (`tls://` URLs, or any URL with
+`--nats-tls-ca` / a client certificate): `NatsSecurity`.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from nats.aio.client import Client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,7 +51,43 @@ def add_nats_arguments(parser: argparse.ArgumentParser, *, subject_prefix: str, 
     group.add_argument("--nats-subject-prefix", default=subject_prefix,
                        help="prefix of every subject the replicas use; replicas sharing state use the same one, "
                        "and different fleets on one NATS server use different ones")
+    group.add_argument("--nats-creds", default=None, metavar="PATH",
+                       help="NATS credentials file (user JWT and NKey seed, as nsc writes it); user/password or a "
+                       "token go in the URL instead: nats://user:password@host:4222")
+    group.add_argument("--nats-tls-ca", default=None, metavar="PATH",
+                       help="CA bundle of the NATS server's certificate: TLS to NATS (tls:// URLs use the "
+                       "system's CAs without it)")
+    group.add_argument("--nats-tls-certfile", default=None, metavar="PATH",
+                       help="client certificate (PEM) for a NATS server that verifies clients")
+    group.add_argument("--nats-tls-keyfile", default=None, metavar="PATH", help="private key of --nats-tls-certfile")
     return group
+
+
+@dataclass(frozen=True)
+class NatsSecurity:
+    """The credentials and TLS settings of the NATS connection (the URL carries user/password
+    or a token itself)."""
+
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> NatsSecurity:
+        return cls(args.nats_creds, args.nats_tls_ca, args.nats_tls_certfile, args.nats_tls_keyfile)
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments of nats-py's `connect`."""
+        options: dict[str, Any] = {}
+        if self.creds:
+            options["user_credentials"] = self.creds
+        if self.tls_ca or self.tls_certfile:
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_certfile:
+                context.load_cert_chain(self.tls_certfile, self.tls_keyfile)
+            options["tls"] = context
+        return options
 
 
 def server_urls(text: str) -> list[str]:
@@ -59,7 +101,7 @@ class ConnectionCounts:
     errors: int = 0
 
 
-async def connect(url: str, *, name: str) -> tuple[Client, ConnectionCounts]:
+async def connect(url: str, *, name: str, security: NatsSecurity = NatsSecurity()) -> tuple[Client, ConnectionCounts]:
     """Connect to `url`, retried for `START_TIMEOUT_SECS` (then ConnectionError: the start-up
     fails, and the orchestrator restarts the process), and reconnected forever after that."""
     counts = ConnectionCounts()
@@ -94,6 +136,7 @@ async def connect(url: str, *, name: str) -> tuple[Client, ConnectionCounts]:
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,
             error_cb=error,
+            **security.connect_options(),
         ), START_TIMEOUT_SECS)
     except asyncio.TimeoutError:
         with contextlib.suppress(Exception):

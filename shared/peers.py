@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
+from .credentials import ClientCredentials
 from .errors import ServiceError
 
 logger = logging.getLogger("dynamo_lite.peers")
@@ -22,6 +23,7 @@ async def recover(
     deadline_secs: float,
     otherwise: str,
     attempt_timeout_secs: float = 5.0,
+    credentials: ClientCredentials = ClientCredentials(),
 ) -> str | None:
     """Hand the first reachable peer's `/dump` body to `load`; retry the list until
     `deadline_secs` have passed.
@@ -29,12 +31,12 @@ async def recover(
     `load` applies the dump and returns what it held, for the log; it raises ServiceError or
     ValueError for a dump it refuses, and that peer is skipped. Returns the peer used, or None
     when no peer's dump was loaded in time (the service then starts with `otherwise`, which the
-    log names).
+    log names). `credentials`: the key and TLS settings the peers want (`/dump` needs a full key).
     """
     if not peers:
         return None
     stop_at = time.monotonic() + deadline_secs
-    async with httpx.AsyncClient(timeout=attempt_timeout_secs) as client:
+    async with httpx.AsyncClient(timeout=attempt_timeout_secs, **credentials.httpx_options()) as client:
         while True:
             for url in peers:
                 try:

@@ -135,7 +135,7 @@ class _Connection(asyncio.Protocol):
 class PipelinedTransport:
     """JSON calls to one service over a few pipelined keep-alive connections (module docstring)."""
 
-    def __init__(self, base_url: str, timeout: float, *, connections: int = 4) -> None:
+    def __init__(self, base_url: str, timeout: float, *, connections: int = 4, api_key: str | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"the pipelined transport takes http://host:port URLs, not {base_url!r}")
@@ -146,6 +146,8 @@ class PipelinedTransport:
         self.max_connections = max(1, connections)
         host_header = parts.netloc.encode()
         self._head_tail = b" HTTP/1.1\r\nhost: " + host_header + b"\r\n"
+        if api_key:
+            self._head_tail += b"authorization: Bearer " + api_key.encode() + b"\r\n"
         self._connections: list[_Connection] = []
         self._connecting: asyncio.Task[_Connection] | None = None
         self._closed = False

@@ -12,7 +12,9 @@ endpoints.
 What a server on a shared network needs, and what this one does:
 
 * **Request head size.** llhttp sets no limit on the request line and headers. Past
-  `MAX_REQUEST_HEAD` bytes the answer is a JSON 431 and the connection is closed.
+  `MAX_REQUEST_HEAD` bytes the answer is a JSON 431 and the connection is closed. A read that
+  holds a whole head (TLS delivers all it decrypted at once) is parsed in pieces, so that such
+  a head is refused too, not served.
 * **Request head time.** A head not complete within `header_timeout_secs` of its first byte (or
   of the connection, for a client that sends nothing) gets a JSON 408 and the connection is
   closed: clients that send half a head cannot hold file descriptors for good.
@@ -50,6 +52,13 @@ What a server on a shared network needs, and what this one does:
   of a 66 µs `/potential_loads` request went to that wake-up; with the burst,
   `/potential_loads` serves ~18 % more requests and the lifecycle mix ~10 % more. A lone
   request (c=1) is written at once, as before.
+* **API keys.** With keys (`Service.protect`), connections are `_Keyed`: they keep each
+  request's `Authorization` header, and a route that is not open answers a JSON 401/403 from
+  the head (`dynamo_lite.auth`), its body read and dropped as after any early answer. Without
+  keys no request runs any of it.
+* **TLS.** With `tls` the listener speaks TLS (`dynamo_lite.tls`); the handshake must finish
+  within the head timeout, and the connection cap counts connections once it has. Certificates
+  and key files are read again on SIGHUP and on change (`dynamo_lite.reloading`).
 * **Shutdown.** On SIGTERM/SIGINT the listener closes, idle connections close, requests in
   flight are answered and streams finish (up to `GRACEFUL_SHUTDOWN_SECS`, after which the
   connections left are aborted and their streams closed), then the app's lifespan shutdown runs
@@ -66,7 +75,7 @@ import os
 import signal
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from email.utils import formatdate
 from functools import partial
@@ -95,6 +104,8 @@ from .http import (
 )
 from .logs import AccessLog
 from .metrics import DISCONNECTED, RouteSeries
+from .reloading import Reloadable, watch
+from .tls import ReloadingContext
 
 logger = logging.getLogger("dynamo_lite.server")
 
@@ -116,6 +127,9 @@ _CLOSE: Final = b"connection: close\r\n"
 _KEEP_ALIVE: Final = b"connection: keep-alive\r\n"
 _CHUNKED: Final = b"transfer-encoding: chunked\r\n"
 _LAST_CHUNK: Final = b"0\r\n\r\n"
+# Reads larger than this that start in a request head are parsed this much at a time; a head
+# is then refused within this many bytes past MAX_REQUEST_HEAD.
+_HEAD_PIECE: Final = 16 * 1024
 _STREAM_CLOSE_SECS: Final = 1.0  # after a shutdown's aborts, how long closing generators may take
 
 
@@ -165,7 +179,7 @@ class HttpServer:
         self.in_turn = False  # an answer was written in this turn of the loop: hold the others
         self.date_line = b""
         self._date_second = -1
-        self.protocol = _HeadersConnection if app.wants_headers else HttpConnection
+        self.protocol = _connection_class(app)
         self._tick()
 
     def _tick(self) -> None:
@@ -241,6 +255,7 @@ class HttpConnection(asyncio.Protocol):
         "head_since", "idle_since", "url", "content_type", "content_length", "expect", "trace_id",
         "keep_alive", "http_1_0", "method", "path", "query_string", "endpoint", "series", "body",
         "body_size", "answered", "started", "paused", "queue", "closing", "unsent", "stream", "drained",
+        "authorization",
     )
 
     def __init__(self, server: HttpServer) -> None:
@@ -309,6 +324,9 @@ class HttpConnection(asyncio.Protocol):
             self._record(DISCONNECTED)
 
     def data_received(self, data: bytes) -> None:
+        if len(data) > _HEAD_PIECE and self.reading_head:
+            self._received_in_pieces(data)
+            return
         self.idle_since = None
         if self.reading_head:
             if self.head_since is None:
@@ -334,6 +352,21 @@ class HttpConnection(asyncio.Protocol):
                 self.close()
             elif self.head_bytes == 0 and self.queue is None:
                 self.idle_since = self.server.loop.time()
+
+    def _received_in_pieces(self, data: bytes) -> None:
+        """One read may hold a whole head larger than `MAX_REQUEST_HEAD` (TLS hands over all it
+        decrypted at once; a fast client on a local socket too): fed in pieces while a head is
+        read, so that the bound is checked as the head grows, not after it was served."""
+        view = memoryview(data)
+        start = 0
+        while start < len(data):
+            if not self.reading_head:
+                self.data_received(bytes(view[start:]))  # a body: at once, as any read
+                return
+            self.data_received(bytes(view[start : start + _HEAD_PIECE]))
+            start += _HEAD_PIECE
+            if self.transport.is_closing():
+                return
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -394,10 +427,15 @@ class HttpConnection(asyncio.Protocol):
             self.series = self.server.app.unmatched_route
             self._answer_early(404, NOT_FOUND_BODY, _JSON)
             return
-        methods, endpoint, self.series = route
+        methods, endpoint, self.series, access = route
         if method not in methods:
             self._answer_early(405, NOT_ALLOWED_BODY, _JSON, b"allow: %s\r\n" % allow_header(methods))
             return
+        if access:  # API keys configured (only then is a route not OPEN): a `_KeyedConnection`
+            refusal = self.server.app.api_keys.check(self.authorization, access)  # type: ignore[union-attr]
+            if refusal is not None:
+                self._answer_early(refusal.status, refusal.body, _JSON, refusal.header)
+                return
         self.endpoint = endpoint
         if endpoint.max_body:
             refusal = body_refusal(self.content_type, self.content_length, endpoint.max_body)
@@ -696,6 +734,45 @@ class _HeadersConnection(HttpConnection):
         HttpConnection.on_message_complete(self)  # answered above: only resets and closes
 
 
+class _Keyed(HttpConnection):
+    """With API keys (`Service.protect`): also keeps each request's `Authorization` header,
+    which `on_headers_complete` hands to `ApiKeys.check`. A class of its own, so that without
+    keys no request pays for it."""
+
+    __slots__ = ()
+
+    def _reset_request(self) -> None:
+        HttpConnection._reset_request(self)
+        self.authorization: bytes | None = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 13 and name.lower() == b"authorization":
+            self.authorization = value
+        else:
+            HttpConnection.on_header(self, name, value)  # not super(): a tenth of a microsecond a header
+
+
+class _KeyedHeadersConnection(_Keyed, _HeadersConnection):
+    """`_Keyed` for an app whose endpoints read headers: they see `Authorization` too."""
+
+    __slots__ = ()
+
+    def _reset_request(self) -> None:
+        _HeadersConnection._reset_request(self)
+        self.authorization = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 13 and name.lower() == b"authorization":
+            self.authorization = value
+        _HeadersConnection.on_header(self, name, value)
+
+
+def _connection_class(app: Service) -> type[HttpConnection]:
+    if app.api_keys is None:
+        return _HeadersConnection if app.wants_headers else HttpConnection
+    return _KeyedHeadersConnection if app.wants_headers else _Keyed
+
+
 class ConnectionCollector(Collector):
     """`/metrics` view of a server's `ConnectionLimits`."""
 
@@ -725,9 +802,12 @@ class StartupFailed(Exception):
 
 
 async def serve_app(
-    app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None
+    app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None,
+    tls: ReloadingContext | None = None, reloadables: Sequence[Reloadable] = (),
 ) -> None:
-    """Start the app (its lifespan's start-up), listen until SIGINT/SIGTERM, drain, shut down."""
+    """Start the app (its lifespan's start-up), listen until SIGINT/SIGTERM, drain, shut down.
+    With `tls`, connections are TLS (see `dynamo_lite.tls`). `tls` and `reloadables` (API key
+    files) are read again on SIGHUP and when their files change (`dynamo_lite.reloading`)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -739,16 +819,25 @@ async def serve_app(
         raise StartupFailed("start-up failed") from exc
     try:
         server = HttpServer(app, limits, access_log)
+        tls_options: dict[str, object] = {}
+        if tls is not None:
+            # A handshake is part of the head: bounded by the same timeout.
+            tls_options = {"ssl": tls.listener, "ssl_handshake_timeout": limits.header_timeout_secs or None}
         try:
-            listener = await loop.create_server(server, host, port, backlog=BACKLOG)
+            listener = await loop.create_server(server, host, port, backlog=BACKLOG, **tls_options)  # type: ignore[arg-type]
         except OSError as exc:
             # An expected failure (a port in use, an address not on this host): one line, no traceback.
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
             raise StartupFailed(f"cannot listen on {host}:{port}: {reason}") from None
-        logger.info("listening on http://%s:%d", host if ":" not in host else f"[{host}]", port)
+        watched = [*reloadables, *([tls] if tls is not None else [])]
+        watcher = loop.create_task(watch(watched)) if watched else None
+        logger.info("listening on %s://%s:%d%s", "https" if tls else "http", host if ":" not in host else f"[{host}]",
+                    port, " (client certificates required)" if tls and tls.files.ca_certs else "")
         await stop.wait()
         logger.info("shutting down: answering the requests in flight")
         listener.close()
+        if watcher is not None:
+            watcher.cancel()
         await server.shut_down()
     except BaseException:
         if not await lifespan.__aexit__(*sys.exc_info()):
@@ -758,7 +847,8 @@ async def serve_app(
     logger.info("stopped")
 
 
-def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None) -> None:
+def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log: AccessLog | None = None,
+        tls: ReloadingContext | None = None, reloadables: Sequence[Reloadable] = ()) -> None:
     """`serve_app` on uvloop (the asyncio loop where uvloop is missing). A start-up failure (a
     bad snapshot, a port in use) is logged and ends the process with status 3, as uvicorn's."""
     try:
@@ -770,7 +860,7 @@ def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log
     runner = asyncio.Runner(loop_factory=new_loop) if sys.version_info >= (3, 11) else _runner(new_loop)
     with runner:
         try:
-            runner.run(serve_app(app, host, port, limits, access_log))
+            runner.run(serve_app(app, host, port, limits, access_log, tls, reloadables))
         except StartupFailed as exc:
             logger.error("%s", exc, exc_info=exc.__cause__)
             raise SystemExit(STARTUP_FAILED_EXIT_STATUS) from None

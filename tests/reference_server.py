@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -297,12 +298,16 @@ def running_server(
     env: dict[str, str] | None = None,
     stop_grace: float = 5.0,
     keep_log: bool = False,
+    scheme: str = "http",
+    verify: Any = True,
+    cert: Any = None,
 ) -> Iterator[ServerURL]:
     """Run `argv` (a service that listens on `port`), yield `http://127.0.0.1:PORT` once ready.
 
     Ready means `GET ready_path` returned 200 within `timeout` seconds. The process output is
     written to a temporary log file, printed when startup fails or the body raises, and deleted
-    afterwards unless `keep_log`.
+    afterwards unless `keep_log`. With `scheme="https"`, readiness is asked with httpx's
+    `verify` and `cert`.
     """
     argv = [str(a) for a in argv]
     if _port_in_use(port):
@@ -312,7 +317,7 @@ def running_server(
     child_env.setdefault("NO_COLOR", "1")
     fd, log_name = tempfile.mkstemp(prefix="dynamo_lite_server_", suffix=".log")
     log_path = Path(log_name)
-    base = f"http://127.0.0.1:{port}"
+    base = f"{scheme}://127.0.0.1:{port}"
     with os.fdopen(fd, "wb") as log:
         process = subprocess.Popen(
             argv,
@@ -326,7 +331,7 @@ def running_server(
     try:
         deadline = time.monotonic() + timeout
         last_problem = "no answer yet"
-        with httpx.Client(timeout=1.0) as client:
+        with httpx.Client(timeout=1.0, verify=verify, cert=cert) as client:
             while True:
                 code = process.poll()
                 if code is not None:

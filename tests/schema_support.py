@@ -13,13 +13,20 @@ from hypothesis.errors import FlakyStrategyDefinition
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from dynamo_lite.auth import ApiKeys
+
 OPENAPI_DIR = Path(__file__).resolve().parents[1] / "openapi"
+
+# The apps run with an API key, as the documents' `bearerKey` scheme says: schemathesis sends it,
+# and also checks that requests without it, or with another, are refused.
+SCHEMA_API_KEY = "schemathesis-key"
+AUTH = {"openapi": {"bearerKey": {"bearer": SCHEMA_API_KEY}}}
 
 # Schema-valid requests may still be refused with 400 for what a JSON schema cannot say (a DP
 # range that overflows u32, tenant_id and routing_group that disagree, a non-null cache_salt),
 # 404 for names that do not exist, and 409 for conflicts with the current state.
 CONFIG = schemathesis.config.SchemathesisConfig.from_dict(
-    {"checks": {"positive_data_acceptance": {"expected-statuses": ["2XX", 400, 404, 409]}}}
+    {"checks": {"positive_data_acceptance": {"expected-statuses": ["2XX", 400, 404, 409]}}, "auth": AUTH}
 )
 
 
@@ -33,10 +40,17 @@ def _has_integral_float(value: object) -> bool:
     return False
 
 
+def protected(app: Any) -> Any:
+    """`app` requiring `SCHEMA_API_KEY` (`--api-key`)."""
+    if app.api_keys is None:
+        app.protect(ApiKeys.from_texts([SCHEMA_API_KEY]))
+    return app
+
+
 def load(document: str, app: Starlette) -> Any:
-    """The service's OpenAPI document, bound to the in-process `app`."""
+    """The service's OpenAPI document, bound to the in-process `app`, which takes the key."""
     schema = schemathesis.openapi.from_path(OPENAPI_DIR / document, config=CONFIG)
-    schema.app = app
+    schema.app = protected(app)
 
     @schema.hook
     def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
@@ -57,6 +71,7 @@ STATEFUL_CONFIG = schemathesis.config.SchemathesisConfig.from_dict(
     {
         "checks": {"positive_data_acceptance": {"expected-statuses": ["2XX", 400, 404, 409]}},
         "phases": {"stateful": {"inference": {"algorithms": []}}},
+        "auth": AUTH,
     }
 )
 
@@ -135,7 +150,7 @@ def load_stateful(document: str, app: Starlette) -> Any:
     inputs it believes some response produces, and guesses that the indexer's `instance_id`
     names a resource nothing returns: left alone, the indexer's runs never register anyone."""
     schema = schemathesis.openapi.from_path(OPENAPI_DIR / document, config=STATEFUL_CONFIG)
-    schema.app = app
+    schema.app = protected(app)
     register = schema.analysis.dependency_graph.operations.get("POST /register")
     if register is not None:
         register.inputs = []  # the services take any new id at /register

@@ -260,11 +260,14 @@ def check_pool_against_engines(pool: list[Any], engines: list[tuple[str, dict[st
 @contextlib.contextmanager
 def picker_from_manifest(env: dict[str, str], pool_text: str, tmp_path: Path) -> Iterator[tuple[int, int]]:
     """The picker run with a manifest's environment, its ports, pool file and services swapped
-    for local ones (a slot tracker and an indexer started here); yields (gRPC, HTTP) ports."""
+    for local ones (a slot tracker and an indexer started here, requiring the picker's
+    DYNAMO_LITE_API_KEY when it has one: it is ready only once it registered the pool with
+    that key); yields (gRPC, HTTP) ports."""
     grpc_port, http_port_ = free_port(), free_port()
     pool_file = tmp_path / "pool.yaml"
     pool_file.write_text(pool_text)
-    with running_service("slot_tracker") as tracker, running_service("indexer") as indexer:
+    keys = ("--api-key", env["DYNAMO_LITE_API_KEY"]) if "DYNAMO_LITE_API_KEY" in env else ()
+    with running_service("slot_tracker", *keys) as tracker, running_service("indexer", *keys) as indexer:
         local = {**env, "DYNAMO_LITE_HOST": "127.0.0.1", "DYNAMO_LITE_PORT": str(grpc_port),
                  "DYNAMO_LITE_METRICS_PORT": str(http_port_), "DYNAMO_LITE_POOL": str(pool_file),
                  "DYNAMO_LITE_SLOT_TRACKER": str(tracker), "DYNAMO_LITE_INDEXER": str(indexer),
@@ -516,7 +519,8 @@ def only_container(deployment: dict[str, Any]) -> dict[str, Any]:
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
-    return {item["name"]: item["value"] for item in container.get("env", [])}
+    """The container's variables; one from a Secret gets a stand-in value."""
+    return {item["name"]: item.get("value", "from-a-secret") for item in container.get("env", [])}
 
 
 def container_port(container: dict[str, Any], name_or_number: str | int) -> int:
@@ -733,3 +737,38 @@ def test_the_observer_configuration_is_the_fallbacks_one_split() -> None:
     fallbacks = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy-fallbacks.yaml").read_text())
     observer = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy-observer.yaml").read_text())
     assert observer == split_response_side(fallbacks)
+
+
+def test_both_services_and_the_picker_take_their_api_keys_from_one_secret(tmp_path: Path) -> None:
+    """The manifests' Secret wiring (docs/security.md): the services read the mounted key file,
+    the picker gets the client key from the same Secret; and a service started with the
+    manifest's variables, its key file in place, refuses a call without the key and serves one
+    with it."""
+    documents = [doc for doc in yaml.safe_load_all(MANIFEST.read_text()) if doc]
+    for doc in documents:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        env = {item["name"]: item["value"] for item in container["env"]}
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "api-keys"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "api-keys"]
+        assert volume["secret"]["secretName"] == "dynamo-lite-api-keys"
+        (item,) = volume["secret"]["items"]
+        assert env["DYNAMO_LITE_API_KEY_FILE"] == f"{mount['mountPath']}/{item['path']}"
+        assert env["DYNAMO_LITE_PUBLIC_METRICS"] == "true"  # the prometheus.io annotations scrape without a key
+    picker = only_container(deployment_of("dynamo_lite.epp"))
+    (key,) = [item for item in picker["env"] if item["name"] == "DYNAMO_LITE_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "dynamo-lite-api-keys", "key": "client-key"}
+
+    slot_tracker = next(c for c in CONTAINERS if c["command"][-1] == "dynamo_lite.slot_tracker")
+    env = {item["name"]: item["value"] for item in slot_tracker["env"]}
+    key_file = tmp_path / "api-keys"
+    key_file.write_text("secret-key\n")
+    port = free_port()
+    env.update(DYNAMO_LITE_PORT=str(port), DYNAMO_LITE_HOST="127.0.0.1", DYNAMO_LITE_API_KEY_FILE=str(key_file),
+               DYNAMO_LITE_SNAPSHOT=str(tmp_path / "slots.json"))
+    with running_server([sys.executable, "-m", "dynamo_lite.slot_tracker"], port, env={**os.environ, **env}) as url:
+        assert httpx.get(f"{url}/workers").status_code == 401
+        assert httpx.get(f"{url}/workers", headers={"authorization": "Bearer secret-key"}).status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 200

@@ -3,7 +3,8 @@ the Python example of the README and of docs/routing.md is examples/quickstart.p
 
 The examples read the services' addresses from SLOT_TRACKER_URL and INDEXER_URL (defaults:
 the services' own ports). Each example leaves the services as it found them, which the next
-one relies on: they share one slot tracker and one indexer here.
+one relies on: they share one slot tracker and one indexer here. The services require an API
+key, which the examples take from DYNAMO_LITE_API_KEY as the clients do.
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
+API_KEY = "examples-key"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+
+
 @pytest.fixture(scope="module")
 def services() -> Iterator[dict[str, str]]:
-    with running_service("slot_tracker") as tracker, running_service("indexer") as indexer:
-        yield {**os.environ, "SLOT_TRACKER_URL": str(tracker), "INDEXER_URL": str(indexer)}
+    with running_service("slot_tracker", "--api-key", API_KEY) as tracker, \
+            running_service("indexer", "--api-key", API_KEY) as indexer:
+        assert httpx.get(f"{tracker}/workers").status_code == 401
+        yield {**os.environ, "SLOT_TRACKER_URL": str(tracker), "INDEXER_URL": str(indexer),
+               "DYNAMO_LITE_API_KEY": API_KEY}
 
 
 def run(argv: list[str], env: dict[str, str]) -> str:
@@ -39,8 +47,8 @@ def run(argv: list[str], env: dict[str, str]) -> str:
 
 
 def assert_left_clean(env: dict[str, str]) -> None:
-    assert httpx.get(env["SLOT_TRACKER_URL"] + "/workers").json() == []
-    assert httpx.get(env["INDEXER_URL"] + "/workers").json() == []
+    assert httpx.get(env["SLOT_TRACKER_URL"] + "/workers", headers=AUTH).json() == []
+    assert httpx.get(env["INDEXER_URL"] + "/workers", headers=AUTH).json() == []
 
 
 def test_the_python_quickstart_of_the_readme_and_the_docs_is_the_example_verbatim() -> None:
@@ -96,15 +104,15 @@ def test_an_example_meeting_its_ids_in_use_says_why_in_one_line_and_leaves_them(
     first_worker = {"quickstart.py": 51, "gateway.py": 61, "sidecar.py": 31, "route_with_curl.sh": 41}[name]
     indexer = services["INDEXER_URL"]
     squatter = {"instance_id": first_worker, "model_name": "someone-else", "block_size": 16}
-    assert httpx.post(indexer + "/register", json=squatter).status_code == 201
+    assert httpx.post(indexer + "/register", json=squatter, headers=AUTH).status_code == 201
     try:
         done = subprocess.run(EVERY_EXAMPLE[name], env=services, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 1, done
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert f"instance {first_worker}" in done.stderr and "Traceback" not in done.stderr, done.stderr
-        assert [worker["instance_id"] for worker in httpx.get(indexer + "/workers").json()] == [first_worker]
+        assert [worker["instance_id"] for worker in httpx.get(indexer + "/workers", headers=AUTH).json()] == [first_worker]
     finally:
-        httpx.post(indexer + "/unregister", json={"instance_id": first_worker, "model_name": "someone-else"})
+        httpx.post(indexer + "/unregister", json={"instance_id": first_worker, "model_name": "someone-else"}, headers=AUTH)
     assert_left_clean(services)
 
 

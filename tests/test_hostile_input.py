@@ -6,6 +6,9 @@ types, oversized request heads, slow clients, thousands of connections) must get
 or be served, and the process must still answer `/health` afterwards. Requests go over raw
 sockets, so nothing in a client library tidies them up first. Socket timeouts are generous
 stall detectors, not speed requirements.
+
+Every test runs twice: on plain HTTP, and on TLS (`--ssl-certfile`, a CA made for the run),
+where the same limits must hold.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from reference_server import ServerURL, free_port, running_server
+from tls_support import Authority
 
 from dynamo_lite.http import DEFAULT_MAX_BODY
 from dynamo_lite.indexer.app import LARGE_BODY
@@ -89,8 +93,19 @@ def read_answer(sock: socket.socket) -> Answer:
     return Answer(int(status_line.split()[1]), headers, body[:length])
 
 
+def connect(base: str) -> socket.socket:
+    """A connection to the service, TLS when it serves https (the `ServerURL`'s `tls` context)."""
+    sock = socket.create_connection(_address(base), timeout=STALL)
+    context = getattr(base, "tls", None)
+    return context.wrap_socket(sock, server_hostname="127.0.0.1") if context is not None else sock
+
+
+def http_client(base: str) -> httpx.Client:
+    return httpx.Client(base_url=base, timeout=STALL, verify=getattr(base, "tls", None) or True)
+
+
 def exchange(base: str, data: bytes) -> Answer:
-    with socket.create_connection(_address(base), timeout=STALL) as sock:
+    with connect(base) as sock:
         sock.sendall(data)
         return read_answer(sock)
 
@@ -109,25 +124,41 @@ def assert_healthy(server: ServerURL) -> None:
     assert "Traceback" not in log and "unhandled error" not in log, log
 
 
+@pytest.fixture(scope="module", params=["http", "https"])
+def scheme(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:
+    return Authority.create(tmp_path_factory.mktemp("hostile-tls"))
+
+
 @contextlib.contextmanager
-def _started(module: str) -> Iterator[ServerURL]:
+def _started(module: str, scheme: str, authority: Authority) -> Iterator[ServerURL]:
     port = free_port()
     argv = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port)]
-    with running_server(argv, port) as url:
+    context = None
+    if scheme == "https":
+        server = authority.issue(module.rsplit(".", 1)[1])
+        argv += ["--ssl-certfile", str(server.certfile), "--ssl-keyfile", str(server.keyfile)]
+        context = authority.client_context()
+    with running_server(argv, port, scheme=scheme, verify=context or True) as url:
+        url.tls = context  # type: ignore[attr-defined]
         yield url
 
 
 @pytest.fixture(scope="module")
-def slot_tracker() -> Iterator[ServerURL]:
-    with _started("dynamo_lite.slot_tracker") as url:
+def slot_tracker(scheme: str, authority: Authority) -> Iterator[ServerURL]:
+    with _started("dynamo_lite.slot_tracker", scheme, authority) as url:
         register = {"worker_id": 1, "model_name": MODEL, "block_size": 16, "dp_start": 0, "dp_size": 2}
         assert exchange(url, raw_request("POST", "/register", json.dumps(register).encode())).status == 201
         yield url
 
 
 @pytest.fixture(scope="module")
-def indexer() -> Iterator[ServerURL]:
-    with _started("dynamo_lite.indexer") as url:
+def indexer(scheme: str, authority: Authority) -> Iterator[ServerURL]:
+    with _started("dynamo_lite.indexer", scheme, authority) as url:
         register = {"instance_id": 1, "model_name": MODEL, "block_size": 16}
         assert exchange(url, raw_request("POST", "/register", json.dumps(register).encode())).status == 201
         yield url
@@ -289,7 +320,7 @@ def test_any_string_is_an_id_and_comes_back_unchanged(slot_tracker: ServerURL, i
     add = {"model_name": name, "tenant_id": name, "request_id": name, "worker_id": 9, "dp_rank": 0,
            "sequence_hashes": [5], "new_isl_tokens": 3}
     assert exchange(slot_tracker, raw_request("POST", "/add", json.dumps(add).encode())).status == 201
-    with httpx.Client(base_url=slot_tracker, timeout=STALL) as client:
+    with http_client(slot_tracker) as client:
         loads = [row for row in client.get("/loads", params=_filter(name, name)).json() if row["model_name"] == name]
         assert loads == [{"model_name": name, "tenant_id": name, "worker_id": 9, "dp_rank": 0,
                           "active_prefill_tokens": 3, "active_decode_blocks": 1}]
@@ -301,7 +332,7 @@ def test_any_string_is_an_id_and_comes_back_unchanged(slot_tracker: ServerURL, i
     tenant = name.replace(":", "")  # a tenant may not contain ":" in the indexer (dump keys)
     register = {"instance_id": 9, "model_name": name, "tenant_id": tenant, "block_size": 4}
     assert exchange(indexer, raw_request("POST", "/register", json.dumps(register).encode())).status == 201
-    with httpx.Client(base_url=indexer, timeout=STALL) as client:
+    with http_client(indexer) as client:
         workers = [w for w in client.get("/workers", params=_filter(name, tenant)).json() if w["model_name"] == name]
         assert [(w["instance_id"], w["model_name"], w["tenant_id"]) for w in workers] == [(9, name, tenant)]
         assert f"{name}:{tenant}" in client.get("/dump").json()
@@ -382,7 +413,7 @@ def test_a_trickled_request_does_not_block_other_clients(slot_tracker: ServerURL
     answers: list[Answer] = []
 
     def trickle() -> None:
-        with socket.create_connection(_address(slot_tracker), timeout=STALL) as sock:
+        with connect(slot_tracker) as sock:
             for index in range(len(data) - 1):
                 sock.sendall(data[index : index + 1])
                 if index == len(data) // 2:
@@ -394,11 +425,11 @@ def test_a_trickled_request_does_not_block_other_clients(slot_tracker: ServerURL
     thread = threading.Thread(target=trickle, daemon=True)
     thread.start()
     assert halfway.wait(STALL)
-    stalled = [socket.create_connection(_address(slot_tracker), timeout=STALL) for _ in range(200)]
+    stalled = [connect(slot_tracker) for _ in range(200)]
     try:
         for sock in stalled:
             sock.sendall(b"POST /add HTTP/1.1\r\nHost: test\r\nContent-Le")
-        with httpx.Client(base_url=slot_tracker, timeout=STALL) as client:
+        with http_client(slot_tracker) as client:
             for _ in range(20):
                 assert client.get("/loads", params={"model_name": MODEL}).status_code == 200
         assert thread.is_alive() and not answers  # the trickled request is still unfinished
@@ -426,17 +457,18 @@ def _ensure_open_files(needed: int) -> int:
 
 
 @pytest.mark.parametrize("service", ["slot_tracker", "indexer"])
-def test_thousands_of_open_connections_are_all_served(request: pytest.FixtureRequest, service: str) -> None:
-    server: ServerURL = request.getfixturevalue(service)
+def test_thousands_of_open_connections_are_all_served(request: pytest.FixtureRequest, service: str,
+                                                      scheme: str) -> None:
+    server: ServerURL = request.getfixturevalue(service)  # `scheme`: the request runs on http and https
     available = _ensure_open_files(CONNECTIONS + 200)
     if available < CONNECTIONS + 200:
         pytest.skip(f"RLIMIT_NOFILE hard limit {available} is below {CONNECTIONS + 200}")
     sockets: list[socket.socket] = []
     try:
         for _ in range(CONNECTIONS):
-            sockets.append(socket.create_connection(_address(server), timeout=STALL))
+            sockets.append(connect(server))
         # Every connection is open and idle: a new client is still served at once.
-        with httpx.Client(base_url=server, timeout=STALL) as client:
+        with http_client(server) as client:
             assert client.get("/workers").status_code == 200
         # Then all of them ask at once, each on its own connection.
         probe = raw_request("GET", "/workers?model_name=" + MODEL, content_type=None)

@@ -25,6 +25,7 @@ from typing import Any
 
 from schema_support import (
     LONG_STATEFUL_CALLS,
+    SCHEMA_API_KEY,
     CallStats,
     is_long_profile,
     load_stateful,
@@ -41,8 +42,9 @@ U64_MAX = 2**64 - 1
 
 
 def _client(app: Any) -> TestClient:
-    """Direct calls for set-up and invariants (no lifespan: schemathesis runs the app's)."""
-    return TestClient(app, raise_server_exceptions=True)
+    """Direct calls for set-up and invariants (no lifespan: schemathesis runs the app's), with the
+    key the apps require (`load_stateful`)."""
+    return TestClient(app, raise_server_exceptions=True, headers={"authorization": f"Bearer {SCHEMA_API_KEY}"})
 
 
 def _ok(response: Any, *statuses: int) -> Any:

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from dynamo_lite.cli import (
+    add_client_arguments,
+    client_credentials_from,
     configure_logging,
     non_negative_float,
     non_negative_int,
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(Dynamo's latency_sensitivity)")
     parser.add_argument("--shutdown-grace-secs", type=non_negative_float, default=30.0,
                         help="on SIGTERM, how long streams in flight may take to finish")
+    add_client_arguments(parser)
     return parser
 
 
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         pool_file=args.pool, slot_tracker_url=args.slot_tracker, indexer_url=args.indexer, tokenizer=args.tokenizer,
         render_url=args.render_url, grpc_host=args.host, grpc_port=args.port, cert=args.cert, key=args.key,
         picker=settings, pool_poll_secs=args.pool_poll_secs, shutdown_grace_secs=args.shutdown_grace_secs,
+        credentials=client_credentials_from(args),
     )
     logging.getLogger("dynamo_lite.epp").info(
         "endpoint picker: gRPC on %s:%d%s, HTTP on port %d, pool %s, slot tracker %s, indexer %s",

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from dynamo_lite import http
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.errors import InvalidArgument
 from dynamo_lite.http import Answer
 from dynamo_lite.tokenizer import Tokenizer
@@ -57,6 +58,8 @@ class EppConfig:
     picker: PickerSettings = field(default_factory=PickerSettings)
     pool_poll_secs: float = 1.0
     shutdown_grace_secs: float = 30.0
+    # The key and TLS settings the picker presents to both services.
+    credentials: ClientCredentials = field(default_factory=ClientCredentials.from_env)
 
 
 class BusyThresholdEndpoint(http.DirectEndpoint):
@@ -117,8 +120,10 @@ def create_app(config: EppConfig) -> http.Service:
         # The pipelined transport: httpx cost ~1 ms of CPU per call, 87 % of the picker's time
         # (bench.gateway); it needs plain http:// URLs.
         pipelined = all(url.startswith("http://") for url in (config.slot_tracker_url, config.indexer_url))
-        slot_tracker = AsyncSlotTrackerClient(config.slot_tracker_url, timeout=SERVICE_TIMEOUT_SECS, pipelined=pipelined)
-        indexer = AsyncIndexerClient(config.indexer_url, timeout=SERVICE_TIMEOUT_SECS, pipelined=pipelined)
+        slot_tracker = AsyncSlotTrackerClient(config.slot_tracker_url, timeout=SERVICE_TIMEOUT_SECS, pipelined=pipelined,
+                                              credentials=config.credentials)
+        indexer = AsyncIndexerClient(config.indexer_url, timeout=SERVICE_TIMEOUT_SECS, pipelined=pipelined,
+                                     credentials=config.credentials)
         registrar = PoolRegistrar(slot_tracker, indexer)
         watcher = PoolWatcher(config.pool_file, registrar, interval=config.pool_poll_secs)
         picker = KvPicker(pool=watcher.pool, slot_tracker=slot_tracker, indexer=indexer, prompts=prompts,

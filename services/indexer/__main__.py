@@ -7,6 +7,9 @@ import logging
 import sys
 
 from dynamo_lite.cli import (
+    add_security_arguments,
+    check_security_arguments,
+    peer_credentials,
     YOUNG_ONLY_GC_THRESHOLDS,
     add_recovery_arguments,
     configure_logging,
@@ -18,9 +21,10 @@ from dynamo_lite.cli import (
     service_parser,
 )
 
-from dynamo_lite.nats_connection import add_nats_arguments
+from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_APPROX_MAX_BLOCKS, DEFAULT_APPROX_TTL_SECS, IndexerConfig, create_app
+from .endpoints import EndpointRules
 from .jetstream import (
     DEFAULT_READY_MAX_LAG,
     DEFAULT_RETENTION_SECS,
@@ -120,9 +124,17 @@ def stream_settings(args: argparse.Namespace) -> StreamSettings | None:
         ready_max_lag=args.nats_ready_max_lag,
         replica_name=args.nats_replica_name,
         reset_state=args.reset_state,
+        security=NatsSecurity.from_args(args),
     )
     settings.check()
     return settings
+
+
+def _endpoint_rules(text: str) -> EndpointRules:
+    try:
+        return EndpointRules.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -188,6 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     engines.add_argument("--tenant-id", "--routing-group", dest="tenant_id", default="default",
                          help="tenant (Dynamo: routing group) of the --workers")
     engines.add_argument(
+        "--allowed-endpoints", type=_endpoint_rules, default=None, metavar="RULE[,RULE...]",
+        help="engine endpoints POST /register may subscribe to, e.g. '10.0.0.0/8,*.engines.svc.cluster.local:5557,"
+        "ipc:///run/vllm/*': CIDRs or addresses, host name patterns (not resolved), each with an optional "
+        ":port or :low-high, or scheme://patterns; others are a 400 naming the rules. Default: any",
+    )
+    engines.add_argument(
         "--replay-timeout-secs",
         type=positive_float,
         default=DEFAULT_REPLAY_TIMEOUT_SECS,
@@ -196,7 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         "missing count as lost",
     )
     add_replica_arguments(parser)
+    add_security_arguments(parser)
     args = parse_args(parser, argv)
+    check_security_arguments(parser, args)
     try:
         workers = parse_workers(args.workers, model_name=args.model_name, tenant_id=args.tenant_id,
                                 block_size=args.block_size)
@@ -221,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         replay_timeout_secs=args.replay_timeout_secs,
         full_gc_interval_secs=args.full_gc_interval_secs,
         nats=nats,
+        peer_credentials=peer_credentials(args),
+        allowed_endpoints=args.allowed_endpoints,
     ))
     serve(app, args, gc_thresholds=YOUNG_ONLY_GC_THRESHOLDS)
 

@@ -25,6 +25,8 @@ from typing import Any, Optional, Union
 from msgspec import UNSET, UnsetType
 
 from dynamo_lite import http, validation
+from dynamo_lite.auth import Access
+from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.errors import InvalidArgument, InvalidShape, ServiceError
 from dynamo_lite.http import HandlerResult, QueryParams
 from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
@@ -34,6 +36,7 @@ from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
 
 from . import replication
 from .answers import query_answer
+from .endpoints import EndpointRules
 from .jetstream import ReplicaCollector, StreamReplica, StreamSettings
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
 from .metrics import IndexerCollector, ListenerCollector
@@ -146,6 +149,9 @@ class RoutedRequest(RequestBody):
 class IndexerRoutes:
     """One method per route; each returns (status, JSON-serialisable payload)."""
 
+    # `--allowed-endpoints`: the engine endpoints `/register` may subscribe to (None: any).
+    allowed_endpoints: EndpointRules | None = None
+
     def __init__(self, indexer: Indexer, peers: PeerList, listeners: Listeners) -> None:
         self.indexer = indexer
         self.peers = peers
@@ -170,6 +176,11 @@ class IndexerRoutes:
             if endpoint is None:
                 raise InvalidArgument("replay_endpoint needs an endpoint to subscribe to")
             validate_endpoint(replay_endpoint, "replay endpoint")
+        if self.allowed_endpoints is not None:
+            if endpoint is not None:
+                self.allowed_endpoints.check(endpoint)
+            if replay_endpoint is not None:
+                self.allowed_endpoints.check(replay_endpoint, "replay endpoint")
         return Subscription(model_name, tenant_id, block_size, instance_id, dp_rank, endpoint or "", replay_endpoint)
 
     def subscribe(self, subscription: Subscription, status: int = 201) -> Any:
@@ -359,6 +370,8 @@ class IndexerConfig:
     replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS
     full_gc_interval_secs: float = 0.0
     nats: StreamSettings | None = None  # replicas: the index lives in a JetStream stream (`--nats`)
+    peer_credentials: ClientCredentials = ClientCredentials()  # what `peers` want (`/dump`: a full API key)
+    allowed_endpoints: EndpointRules | None = None  # engine endpoints `/register` may subscribe to; None: any
 
 
 def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None = None) -> http.Service:
@@ -386,6 +399,7 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
         routes: IndexerRoutes = ReplicatedRoutes(indexer, peer_list, listeners, replica)
     else:
         routes = IndexerRoutes(indexer, peer_list, listeners)
+    routes.allowed_endpoints = config.allowed_endpoints
     snapshots = (Snapshots(indexer, snapshot, config.snapshot_interval_secs, ignore_bad=config.ignore_bad_snapshot)
                  if snapshot else None)
 
@@ -393,7 +407,8 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
     async def lifespan(app: http.Service) -> AsyncIterator[None]:
         if snapshots is not None:
             snapshots.restore()
-        await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs)
+        await recover(indexer, peer_list.urls(), deadline_secs=recovery_deadline_secs,
+                      credentials=config.peer_credentials)
         if replica is not None:
             await replica.start()
             app.state.not_ready = replica.not_ready
@@ -429,10 +444,10 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             http.get("/workers", routes.workers, parameters=_FILTERS),
             http.post("/events", routes.events, max_body=LARGE_BODY,
                       read=_read_events_for_stream if replica is not None else decode_events_document),
-            http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest),
-            http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY),
+            http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest, access=Access.READ),
+            http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY, access=Access.READ),
             http.post("/routed", routes.routed, request_type=RoutedRequest, max_body=LARGE_BODY),
-            http.get("/dump", routes.dump),
+            http.get("/dump", routes.dump, access=Access.WRITE),  # the whole index: replicas, not gateways
             http.get("/peers", routes.list_peers),
             http.post("/register_peer", routes.register_peer),
             http.post("/deregister_peer", routes.deregister_peer),

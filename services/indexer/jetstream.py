@@ -61,7 +61,7 @@ from prometheus_client.registry import Collector
 
 from dynamo_lite.errors import PayloadTooLarge, ServiceError, Unavailable
 from dynamo_lite.snapshots import SnapshotError
-from dynamo_lite.nats_connection import ConnectionCounts, NatsCollector, connect
+from dynamo_lite.nats_connection import ConnectionCounts, NatsCollector, NatsSecurity, connect
 
 from . import replication
 from .listeners import Listeners, Subscription
@@ -100,6 +100,7 @@ class StreamSettings:
     replica_name: str | None = None  # the durable consumer's name; default: host, pid and a random part
     reset_state: bool = False
     publish_timeout_secs: float = DEFAULT_PUBLISH_TIMEOUT_SECS
+    security: NatsSecurity = NatsSecurity()  # --nats-creds, --nats-tls-*
 
     def check(self) -> None:
         """Settings that cannot work together: ValueError naming them."""
@@ -167,7 +168,7 @@ class StreamReplica:
     async def start(self) -> None:
         """Connect, create the stream and bucket when missing, load the newest snapshot, then
         start consuming after it. Raises when NATS is unreachable or the snapshot unusable."""
-        self.client, self.connection_counts = await connect(self.settings.url, name=self.name)
+        self.client, self.connection_counts = await connect(self.settings.url, name=self.name, security=self.settings.security)
         self._js = self.client.jetstream(timeout=self.settings.publish_timeout_secs)
         self._stream_id = await self._ensure_stream()
         self._store = await self._ensure_bucket()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import orjson
 
 from dynamo_lite.errors import NotFound
+from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.peers import recover as recover_from_peers
 
 from .state import Indexer
@@ -39,7 +40,8 @@ class PeerList:
 
 
 async def recover(
-    indexer: Indexer, peers: list[str], *, deadline_secs: float, attempt_timeout_secs: float = 5.0
+    indexer: Indexer, peers: list[str], *, deadline_secs: float, attempt_timeout_secs: float = 5.0,
+    credentials: ClientCredentials = ClientCredentials(),
 ) -> str | None:
     """Merge the first reachable peer's dump into `indexer`; retry the list until
     `deadline_secs` have passed. Returns the peer used, or None when no peer answered in time
@@ -50,4 +52,4 @@ async def recover(
         return f"{report.applied} events applied, {report.rejected} rejected"
 
     return await recover_from_peers(peers, load, deadline_secs=deadline_secs, otherwise="an empty index",
-                                    attempt_timeout_secs=attempt_timeout_secs)
+                                    attempt_timeout_secs=attempt_timeout_secs, credentials=credentials)

@@ -7,6 +7,9 @@ import logging
 import sys
 
 from dynamo_lite.cli import (
+    add_security_arguments,
+    check_security_arguments,
+    peer_credentials,
     add_recovery_arguments,
     configure_logging,
     non_negative_float,
@@ -15,7 +18,7 @@ from dynamo_lite.cli import (
     serve,
     service_parser,
 )
-from dynamo_lite.nats_connection import add_nats_arguments
+from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_SNAPSHOT_INTERVAL_SECS, SlotTrackerConfig, create_app
 from .core import DEFAULT_REQUEST_TTL_SECS
@@ -39,7 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     add_recovery_arguments(parser, state="workers and active requests", peers="slot trackers",
                            snapshot_interval_secs=DEFAULT_SNAPSHOT_INTERVAL_SECS)
     add_replica_arguments(parser)
+    add_security_arguments(parser)
     args = parse_args(parser, argv)
+    check_security_arguments(parser, args)
     if args.nats and args.peers:
         parser.error("--peers does not go with --nats: a replica joining takes the state of a running one "
                      "through NATS (and loads --snapshot only when none answers)")
@@ -57,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         snapshot_interval_secs=args.snapshot_interval_secs,
         ignore_bad_snapshot=args.ignore_bad_snapshot,
         nats=nats_settings(args),
+        peer_credentials=peer_credentials(args),
     )), args)
 
 
@@ -80,7 +86,7 @@ def nats_settings(args: argparse.Namespace) -> NatsSettings | None:
         return None
     return NatsSettings(url=args.nats, subject_prefix=args.nats_subject_prefix,
                         join_timeout_secs=args.nats_join_timeout_secs,
-                        publish_timeout_secs=args.nats_publish_timeout_secs)
+                        publish_timeout_secs=args.nats_publish_timeout_secs, security=NatsSecurity.from_args(args))
 
 
 if __name__ == "__main__":

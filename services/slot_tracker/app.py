@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Union
 from msgspec import UNSET, UnsetType
 
 from dynamo_lite import http, validation
+from dynamo_lite.auth import Access
+from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.http import HandlerResult, QueryParams
 from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
 
@@ -320,6 +322,8 @@ class SlotTrackerConfig:
     # Replicas sharing the state through a NATS server (`--nats`): a joining replica takes a
     # running one's state (then the snapshot is not loaded); `peers` must then be empty.
     nats: NatsSettings | None = None
+    # What `peers` want to see (their `/dump` takes a full API key).
+    peer_credentials: ClientCredentials = ClientCredentials()
 
 
 def create_app(config: SlotTrackerConfig = SlotTrackerConfig(), tracker: SlotTracker | None = None) -> http.Service:
@@ -359,6 +363,7 @@ def create_app(config: SlotTrackerConfig = SlotTrackerConfig(), tracker: SlotTra
             app.state.not_ready = sync.not_ready
         else:
             peer = await recover(tracker, config.peers, deadline_secs=config.recovery_deadline_secs,
+                                 credentials=config.peer_credentials,
                                  otherwise=EMPTY if snapshots is None else f"snapshot {snapshots.path}")
             if snapshots is not None:
                 if peer is None:
@@ -390,8 +395,9 @@ def create_app(config: SlotTrackerConfig = SlotTrackerConfig(), tracker: SlotTra
             http.post("/output_blocks", routes.output_blocks, request_type=OutputBlocksRequest),
             http.post("/free", routes.free, request_type=RequestIdRequest),
             http.get("/loads", routes.loads, parameters=_FILTERS),
-            http.post("/potential_loads", routes.potential_loads, request_type=PotentialLoadsRequest),
-            http.get("/dump", routes.dump),
+            http.post("/potential_loads", routes.potential_loads, request_type=PotentialLoadsRequest,
+                      access=Access.READ),
+            http.get("/dump", routes.dump, access=Access.WRITE),  # the whole state: replicas, not gateways
             http.openapi_route(OPENAPI_PATH),
         ],
         lifespan=lifespan,

@@ -57,7 +57,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from dynamo_lite.errors import PayloadTooLarge
-from dynamo_lite.nats_connection import ConnectionCounts, connect
+from dynamo_lite.nats_connection import ConnectionCounts, NatsSecurity, connect
 
 from .core import SlotTrackerDump
 from .replication import (
@@ -101,6 +101,7 @@ class NatsSettings:
     subject_prefix: str = DEFAULT_SUBJECT_PREFIX
     join_timeout_secs: float = DEFAULT_JOIN_TIMEOUT_SECS
     publish_timeout_secs: float = DEFAULT_PUBLISH_TIMEOUT_SECS
+    security: NatsSecurity = NatsSecurity()  # --nats-creds, --nats-tls-*
 
 
 @dataclass
@@ -158,7 +159,7 @@ class NatsReplication:
         unreachable, or a replica answered but its state never arrived."""
         replica = self.replica
         name = f"slot-tracker-{socket.gethostname()}-{replica.origin:016x}"
-        self.client, self.connection_counts = await connect(self.settings.url, name=name)
+        self.client, self.connection_counts = await connect(self.settings.url, name=name, security=self.settings.security)
         self.max_payload = self.client.max_payload
         # One subscription for ops and requests: they are handled in the order the server sent them.
         await self.client.subscribe(f"{self.settings.subject_prefix}.>", cb=self._on_message, pending_bytes_limit=0)

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import msgspec
 
 from dynamo_lite.errors import ServiceError
+from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.peers import recover as recover_from_peers
 from dynamo_lite.snapshots import SnapshotError, Snapshots, read_file
 
@@ -114,7 +115,8 @@ class TrackerSnapshots(Snapshots[SlotTrackerDump]):
 
 
 async def recover(
-    tracker: SlotTracker, peers: Sequence[str], *, deadline_secs: float, otherwise: str = EMPTY
+    tracker: SlotTracker, peers: Sequence[str], *, deadline_secs: float, otherwise: str = EMPTY,
+    credentials: ClientCredentials = ClientCredentials(),
 ) -> str | None:
     """Replace the tracker's state with the first reachable peer's dump; returns the peer used,
     or None when no peer's dump was loaded within `deadline_secs` (the log then says the tracker
@@ -123,4 +125,5 @@ async def recover(
     def load(body: bytes) -> str:
         return describe_restore(tracker.restore(decode(body)))
 
-    return await recover_from_peers(peers, load, deadline_secs=deadline_secs, otherwise=otherwise)
+    return await recover_from_peers(peers, load, deadline_secs=deadline_secs, otherwise=otherwise,
+                                    credentials=credentials)

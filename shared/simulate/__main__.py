@@ -24,7 +24,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from dynamo_lite.cli import HelpFormatter
+from dynamo_lite.cli import HelpFormatter, add_client_arguments, client_credentials_from
 from dynamo_lite.client import ServiceCallError
 from dynamo_lite.routing import RouterConfig
 
@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random and kv tie-breaking choices")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    add_client_arguments(parser)
     return parser
 
 
@@ -142,7 +143,8 @@ async def simulate(requests: list[SimRequest], config: FleetConfig, args: argpar
     for name in names:
         model_name = args.model_name or f"sim-{run_tag}-{name}"
         recorder = LatencyRecorder()
-        async with service_clients(args.slot_tracker, args.indexer, recorder) as (slot_tracker, indexer):
+        async with service_clients(args.slot_tracker, args.indexer, recorder,
+                                   credentials=client_credentials_from(args)) as (slot_tracker, indexer):
             await _check_reachable(slot_tracker.health(), "slot tracker", args.slot_tracker, "dynamo_lite.slot_tracker")
             await _check_reachable(indexer.health(), "indexer", args.indexer, "dynamo_lite.indexer")
             policy = make_policy(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+from dynamo_lite.credentials import ClientCredentials
 
 DEFAULT_TIMEOUT_SECS = 30.0  # an /events batch after a burst of evictions can be large
 
@@ -68,9 +69,10 @@ class LatencyRecorder:
 class TimedTransport(httpx.AsyncBaseTransport):
     """An `AsyncHTTPTransport` that reads each body before returning it, and times the exchange."""
 
-    def __init__(self, recorder: LatencyRecorder, service: str) -> None:
+    def __init__(self, recorder: LatencyRecorder, service: str, credentials: ClientCredentials) -> None:
         self._inner = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+            verify=credentials.ssl_context(),
         )
         self._recorder = recorder
         self._service = service
@@ -96,11 +98,15 @@ async def service_clients(
     indexer_url: str,
     recorder: LatencyRecorder,
     timeout: float = DEFAULT_TIMEOUT_SECS,
+    credentials: ClientCredentials | None = None,
 ) -> AsyncIterator[tuple[AsyncSlotTrackerClient, AsyncIndexerClient]]:
-    """Both clients on timed transports; closed on exit."""
+    """Both clients on timed transports, presenting `credentials` (default: the environment's
+    key); closed on exit."""
+    credentials = credentials if credentials is not None else ClientCredentials.from_env()
     async with httpx.AsyncClient(
-        base_url=slot_tracker_url, timeout=timeout, transport=TimedTransport(recorder, "slot_tracker")
+        base_url=slot_tracker_url, timeout=timeout, transport=TimedTransport(recorder, "slot_tracker", credentials)
     ) as slot_http, httpx.AsyncClient(
-        base_url=indexer_url, timeout=timeout, transport=TimedTransport(recorder, "indexer")
+        base_url=indexer_url, timeout=timeout, transport=TimedTransport(recorder, "indexer", credentials)
     ) as indexer_http:
-        yield AsyncSlotTrackerClient(client=slot_http), AsyncIndexerClient(client=indexer_http)
+        yield (AsyncSlotTrackerClient(client=slot_http, credentials=credentials),
+               AsyncIndexerClient(client=indexer_http, credentials=credentials))
