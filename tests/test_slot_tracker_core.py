@@ -118,11 +118,11 @@ def test_output_blocks_of_unknown_requests_and_trackers_are_not_found(tracker: S
     with pytest.raises(NotFound, match="^no slot tracker for model=m tenant_id=default$"):
         tracker.set_output_blocks("m", "default", "a", 1)
     tracker.register(1, "m", "default", 16, 0, 1)
-    with pytest.raises(NotFound, match="^Request a not found$"):
+    with pytest.raises(NotFound, match="^request a not found$"):
         tracker.set_output_blocks("m", "default", "a", 1)
     tracker.add("m", "default", "a", 1, 0, [], 0)
     tracker.free("m", "default", "a")
-    with pytest.raises(NotFound, match="^Request a not found$"):
+    with pytest.raises(NotFound, match="^request a not found$"):
         tracker.set_output_blocks("m", "default", "a", 1)
 
 
@@ -179,7 +179,7 @@ def test_lifecycle_errors(tracker: SlotTracker) -> None:
         tracker.add("m", "default", "a", 2, 0, [], 0)  # unknown rank wins over the duplicate id
     with pytest.raises(Conflict, match=r"^request a already exists \(assigned to worker 1 dp_rank 0\)$"):
         tracker.add("m", "default", "a", 1, 0, [], 0)
-    with pytest.raises(NotFound, match="Request zz not found"):
+    with pytest.raises(NotFound, match="request zz not found"):
         tracker.prefill_complete("m", "default", "zz")
     tracker.free("m", "default", "zz")  # idempotent
 
@@ -190,7 +190,7 @@ def test_unregister_drops_requests_and_last_worker_drops_partition(tracker: Slot
     tracker.add("m", "t", "a", 1, 1, [5, 6], 9)
     tracker.add("m", "t", "b", 2, 0, [5, 6], 9)
     tracker.unregister(1, "m", "t")
-    with pytest.raises(NotFound, match="Request a not found"):
+    with pytest.raises(NotFound, match="request a not found"):
         tracker.prefill_complete("m", "t", "a")
     tracker.add("m", "t", "a", 2, 0, [5], 0)  # the id is reusable
     [projected] = tracker.potential_loads("m", "t", [5, 6, 7], 0)

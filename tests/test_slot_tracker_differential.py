@@ -104,6 +104,7 @@ _REWORDED = [
     (re.compile(r"^Request (.*) already exists \(assigned to worker WorkerWithDpRank "
                 r"\{ worker_id: (\d+), dp_rank: (\d+) \}\)$"),
      lambda m: f"request {m[1]} already exists (assigned to worker {m[2]} dp_rank {m[3]})"),
+    (re.compile(r"^Request (.*) not found$"), lambda m: f"request {m[1]} not found"),
 ]
 
 

@@ -95,7 +95,7 @@ def test_service_errors(client: TestClient) -> None:
     assert post(client, "/add", {**add, "dp_rank": 1}).status_code == 201
     assert_error(post(client, "/add", {**add, "dp_rank": 0}), 409,
                  "request a already exists (assigned to worker 7 dp_rank 1)")
-    assert_error(post(client, "/prefill_complete", {"model_name": "m", "request_id": "zz"}), 404, "Request zz not found")
+    assert_error(post(client, "/prefill_complete", {"model_name": "m", "request_id": "zz"}), 404, "request zz not found")
     assert_error(post(client, "/potential_loads", {"model_name": "x", "sequence_hashes": []}), 404,
                  "no slot tracker for model=x tenant_id=default")
 
@@ -105,7 +105,7 @@ def test_output_blocks(client: TestClient) -> None:
     assert_error(post(client, "/output_blocks", {**ref, "output_blocks": 1}), 404,
                  "no slot tracker for model=m tenant_id=default")
     assert post(client, "/register", REGISTER).status_code == 201
-    assert_error(post(client, "/output_blocks", {**ref, "output_blocks": 1}), 404, "Request r not found")
+    assert_error(post(client, "/output_blocks", {**ref, "output_blocks": 1}), 404, "request r not found")
     add = {**ref, "worker_id": 7, "dp_rank": 1, "sequence_hashes": [1, 2, 3], "new_isl_tokens": 16}
     assert post(client, "/add", add).status_code == 201
     for _ in range(2):  # a retried count changes nothing
@@ -123,7 +123,7 @@ def test_output_blocks(client: TestClient) -> None:
     assert_error(client.post("/output_blocks", content=orjson.dumps({**ref, "output_blocks": 5})), 415)
     assert post(client, "/free", ref).status_code == 200
     assert [row["active_decode_blocks"] for row in client.get("/loads").json()] == [0, 0]
-    assert_error(post(client, "/output_blocks", {**ref, "output_blocks": 5}), 404, "Request r not found")
+    assert_error(post(client, "/output_blocks", {**ref, "output_blocks": 5}), 404, "request r not found")
 
 
 @pytest.mark.parametrize(("body", "message"), [

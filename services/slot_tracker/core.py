@@ -400,7 +400,7 @@ class SlotTracker:
         partition = self._partition(model_name, tenant_id)
         request = partition.requests.get(request_id)
         if request is None:
-            raise NotFound(f"Request {request_id} not found")
+            raise NotFound(f"request {request_id} not found")
         request.slot.prefill_tokens -= request.prefill_tokens
         request.prefill_tokens = 0
 
@@ -415,7 +415,7 @@ class SlotTracker:
         partition = self._partition(model_name, tenant_id)
         request = partition.requests.get(request_id)
         if request is None:
-            raise NotFound(f"Request {request_id} not found")
+            raise NotFound(f"request {request_id} not found")
         if output_blocks < request.output_blocks:
             raise Conflict(
                 f"request {request_id} already holds {request.output_blocks} output blocks; "
