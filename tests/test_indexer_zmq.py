@@ -401,7 +401,6 @@ def test_an_endpoint_that_accepts_tcp_but_never_speaks_zmq_is_not_active(
         info = eventually(lambda: listener(indexer, model, worker), lambda info: info["error"] is not None,
                           "the handshake timing out")  # HANDSHAKE_TIMEOUT_MS
         assert info["status"] == "connecting" and "no ZMQ handshake" in info["error"], info
-        assert "no answer within" in info["error"]
         assert listener(indexer, model, worker)["status"] == "connecting"
     assert indexer.post("/unregister", json={"instance_id": worker, "model_name": model}).status_code == 200
     assert not [line for line in indexer_url.log_text().splitlines() if f"{endpoint} is active" in line]
