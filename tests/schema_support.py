@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import schemathesis
@@ -202,15 +203,34 @@ def stateful_settings() -> settings:
 MAX_RESTARTS = 5
 
 
-def run_stateful(workflow: Any, stats: CallStats) -> None:
-    """Run a schemathesis state machine for the profile's budget of scenarios.
+# Further budgets a run may take while `covered` is false (see run_stateful).
+MAX_EXTRA_BUDGETS = 3
+
+
+def run_stateful(workflow: Any, stats: CallStats, covered: Callable[[], bool] = lambda: True) -> None:
+    """Run a schemathesis state machine for the profile's budget of scenarios, then for up to
+    MAX_EXTRA_BUDGETS more budgets while `covered()` is false.
+
+    Whether a scenario follows a link is decided outside hypothesis' control (below), so the
+    depth a budget reaches varies from run to run even when derandomized: in one CI run of 205
+    slot tracker scenarios none reached `/output_blocks` for an active request (another reached
+    11). A run whose links lead nowhere still fails: `covered()` stays false after every budget.
 
     schemathesis decides whether a link's values are used with `st.randoms(use_true_random=True)`,
     outside hypothesis' choice sequence, so a replayed sequence can take another path and
     hypothesis stops with `FlakyStrategyDefinition` (seen about once in 1,500 scenarios).
     schemathesis' own runner restarts in that case; so does this, with the rest of the budget.
     Failures are never retried. Each workflow's `teardown` counts `stats.notes["scenarios"]`."""
-    budget = stateful_settings().max_examples
+    per_budget = stateful_settings().max_examples
+    for extra in range(MAX_EXTRA_BUDGETS + 1):
+        _run_budget(workflow, stats, per_budget * (extra + 1))
+        if covered():
+            return
+        stats.notes["extra budgets run for coverage"] += 1
+
+
+def _run_budget(workflow: Any, stats: CallStats, budget: int) -> None:
+    """Run `workflow` until `stats.notes["scenarios"]` reaches `budget`."""
     for _ in range(MAX_RESTARTS):
         remaining = budget - stats.notes["scenarios"]
         if remaining <= 0:

@@ -481,5 +481,10 @@ def test_a_nats_server_back_without_its_store_is_rebuilt_and_replicas_go_on(tmp_
         fleet_.nats.restart(wipe=True)
         feed(fleet_, single, workload, engines, [], rng, 60, SHRINK)
         assert_same_index(replicas, single, workload, rng, "after the NATS store was lost")
+        # What the replicas held before the loss is in no stream any more, only in the snapshot
+        # they write of the new one (its sequence was reset to 0 with the loss): a replica started
+        # before that snapshot exists cannot know the history (docs/replicas.md says so).
+        wait_until(lambda: max(metric(replica, "dynamo_lite_indexer_replica_snapshot_sequence") for replica in replicas),
+                   lambda sequence: sequence > 0, "a snapshot of the new stream written")
         late = fleet_.start("C")  # from the snapshot the survivors write of what they hold
         assert_same_index([*replicas, late], single, workload, rng, "a replica started after the loss")
