@@ -30,13 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import reference_server  # noqa: E402 - the test suite's process runner: plain Python, no pytest
 import yaml
 
 from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
 
 from .servers import CLIENT_CPU, SERVER_CPU  # importing bench.servers puts tests/ on sys.path
-
-import reference_server  # noqa: E402 - the test suite's process runner: plain Python, no pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FALLBACKS_CONFIG = ROOT / "deploy" / "envoy" / "envoy-fallbacks.yaml"

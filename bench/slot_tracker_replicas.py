@@ -47,6 +47,7 @@ from pathlib import Path
 
 import httpx
 import orjson
+import reference_server  # noqa: E402  (tests/, put on sys.path by .servers; needs no pytest)
 
 from .http_post import Connection, post_request
 from .runner import progress
@@ -54,8 +55,6 @@ from .seed import hash_lists, register_tracker, reset_tracker, shape_for, write_
 from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu
 from .slot_tracker_http import LIFECYCLE_LAG
 from .wrk import WrkError, ensure_wrk, run_wrk
-
-import reference_server  # noqa: E402  (tests/, put on sys.path by .servers; needs no pytest)
 
 MODEL = "lifecycle"
 PROBE_MODEL = "probe"

@@ -40,4 +40,4 @@ async def main() -> None:
 try:
     asyncio.run(main())
 except ServiceCallError as error:  # a refused connection, or a service refusing a call (409: ids in use)
-    raise SystemExit(f"quickstart.py: {error}")
+    raise SystemExit(f"quickstart.py: {error}") from None

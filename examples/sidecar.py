@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any

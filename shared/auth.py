@@ -17,9 +17,9 @@ which key matched.
 from __future__ import annotations
 
 import enum
-from hmac import compare_digest
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from hmac import compare_digest
 from pathlib import Path
 from typing import Final
 

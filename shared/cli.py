@@ -15,7 +15,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-
 from .auth import ApiKeys, key_list
 from .credentials import ClientCredentials, api_key_from_env
 from .http import Service
@@ -56,7 +55,9 @@ def service_parser(prog: str, description: str, default_port: int) -> argparse.A
         description=description,
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind (without --api-key anyone who reaches it may write: keep it on a trusted network)")
+    parser.add_argument("--host", default="0.0.0.0",
+                        help="address to bind (without --api-key anyone who reaches it may write: "
+                             "keep it on a trusted network)")
     parser.add_argument("--port", type=_port, default=default_port, help="TCP port to listen on")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="minimum level of log lines")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
@@ -261,7 +262,8 @@ def add_client_arguments(parser: argparse.ArgumentParser, *, api_key_flag: str =
 
 def client_credentials_from(args: argparse.Namespace) -> ClientCredentials:
     """What `add_client_arguments`' flags say to present to the services."""
-    api_key = (key_list(args.api_key) or [None])[0] if args.api_key is not None else api_key_from_env()
+    keys: list[str] = key_list(args.api_key) if args.api_key is not None else []
+    api_key = (keys[0] if keys else None) if args.api_key is not None else api_key_from_env()
     cert = None
     if args.services_certfile:
         cert = (args.services_certfile, args.services_keyfile) if args.services_keyfile else args.services_certfile
@@ -316,10 +318,10 @@ def tune_garbage_collector(thresholds: GcThresholds = DEFAULT_GC_THRESHOLDS) -> 
 
     `YOUNG_ONLY_GC_THRESHOLDS` is for a large, growing heap (the indexer's tree): every object
     that survives a young collection moves to a generation that is never collected on its own,
-    because such a collection scans all of it (132 ms at 1.3M blocks, measured: the p99 of every
-    request while engines publish). The tree's nodes have since left the collector altogether
-    (`dynamo_lite.indexer.tree.Node`): a full collection at 1M blocks now takes ~1 ms. Whatever becomes cyclic garbage there waits for the
-    service's periodic full collection.
+    because such a collection scans all of it (bench/ANALYSIS.md has the pauses measured). The
+    tree's nodes are outside the collector (`dynamo_lite.indexer.tree.Node`), so a full
+    collection stays short; whatever becomes cyclic garbage waits for the service's periodic
+    full collection.
     """
     gc.set_threshold(*thresholds)
     gc.freeze()

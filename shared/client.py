@@ -33,6 +33,7 @@ import httpx
 import orjson
 
 from .credentials import Cert, ClientCredentials, Verify, client_credentials
+
 # The slot tracker's answer rows are the core's own types: one definition of the wire shape.
 from .slot_tracker.core import PotentialLoad, RankLoad, WorkerInfo
 
@@ -294,7 +295,8 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
     async def dump(self) -> dict[str, Any]:
         """The whole state as a versioned document: every partition's workers and active requests
         with the TTL each has left, what `--snapshot` files hold and `--peers` start-up loads."""
-        return await self._transport.call("GET", "/dump")  # type: ignore[no-any-return]
+        answer: dict[str, Any] = await self._transport.call("GET", "/dump")
+        return answer
 
 
 class AsyncIndexerClient(_AsyncServiceClient):
@@ -355,11 +357,13 @@ class AsyncIndexerClient(_AsyncServiceClient):
 
     async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
         """The known instances with, per rank, its block counts, event watermark and subscription."""
-        return await self._transport.call("GET", "/workers", params=_filters(model_name, tenant_id))  # type: ignore[no-any-return]
+        answer: list[dict[str, Any]] = await self._transport.call("GET", "/workers", params=_filters(model_name, tenant_id))
+        return answer
 
     async def events(self, document: dict[str, Any]) -> dict[str, Any]:
         """Post a `/dump`-shaped document of RouterEvents; returns the ingest report."""
-        return await self._transport.call("POST", "/events", document)  # type: ignore[no-any-return]
+        answer: dict[str, Any] = await self._transport.call("POST", "/events", document)
+        return answer
 
     async def query_by_hash(
         self, model_name: str, block_hashes: Sequence[int], *, tenant_id: str = DEFAULT_TENANT
@@ -418,15 +422,18 @@ class AsyncIndexerClient(_AsyncServiceClient):
             body["lora_name"] = lora_name
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        return await self._transport.call("POST", "/routed", body)  # type: ignore[no-any-return]
+        answer: dict[str, Any] = await self._transport.call("POST", "/routed", body)
+        return answer
 
     async def dump(self) -> dict[str, Any]:
         """The whole index as an events document, which `events()` on another indexer ingests."""
-        return await self._transport.call("GET", "/dump")  # type: ignore[no-any-return]
+        answer: dict[str, Any] = await self._transport.call("GET", "/dump")
+        return answer
 
     async def peers(self) -> list[str]:
         """The base URLs of the peer indexers this indexer knows (`--peers`, `register_peer`)."""
-        return await self._transport.call("GET", "/peers")  # type: ignore[no-any-return]
+        answer: list[str] = await self._transport.call("GET", "/peers")
+        return answer
 
     async def register_peer(self, url: str) -> None:
         """Add a peer indexer's base URL to the list `peers()` returns."""

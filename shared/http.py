@@ -21,10 +21,10 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from pathlib import Path
 from time import perf_counter
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, cast
 from urllib.parse import parse_qsl
 
 import orjson
@@ -43,8 +43,8 @@ from .errors import (
     UnsupportedMediaType,
 )
 from .logs import AccessLog
-from .validation import RequestBody, decode_json, decoder
 from .metrics import DISCONNECTED, UNMATCHED_ROUTE, RequestMetrics, RouteSeries, new_registry
+from .validation import RequestBody, decode_json, decoder
 
 logger = logging.getLogger("dynamo_lite.http")
 
@@ -56,7 +56,7 @@ HandlerResult = tuple[int, JsonPayload]
 # acknowledged) returns a coroutine of its result instead; the answer is then written when it
 # completes, still in request order on its connection.
 LaterResult = Coroutine[Any, Any, HandlerResult]
-BodyHandler = Callable[[Any], Union[HandlerResult, LaterResult]]
+BodyHandler = Callable[[Any], HandlerResult | LaterResult]
 QueryHandler = Callable[["QueryParams"], HandlerResult]
 
 _JSON_HEADERS = b"application/json"
@@ -109,9 +109,10 @@ async def send_bytes(
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
+    value: bytes
     for key, value in scope["headers"]:
         if key == name:
-            return value  # type: ignore[no-any-return]
+            return value
     return None
 
 
@@ -207,7 +208,7 @@ class QueryParams(Mapping[str, str]):
     def get(self, key: str, default: Any = None) -> Any:
         return self._values.get(key, default)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
     def __len__(self) -> int:
@@ -215,10 +216,10 @@ class QueryParams(Mapping[str, str]):
 
 
 # What an endpoint answers: status, body, and the content type (None: no content-type header).
-Answer = tuple[int, bytes, Union[bytes, None]]
+Answer = tuple[int, bytes, bytes | None]
 # ... or, for a handler that returned a coroutine, a future of that answer (or of a
-# `StreamAnswer`).
-LaterAnswer = asyncio.Future  # of Answer | StreamAnswer
+# `StreamAnswer`, declared below).
+LaterAnswer = asyncio.Future["Answer | StreamAnswer"]
 # The request headers an endpoint with `wants_headers` gets: (lower-cased name, value) pairs in
 # request order, repeated names kept; the shape of an ASGI scope's "headers".
 Headers = list[tuple[bytes, bytes]]
@@ -326,12 +327,11 @@ class DirectEndpoint(abc.ABC):
             answer = self.answer_with_headers(scope.get("query_string", b""), body, scope["headers"])
         else:
             answer = self.answer(scope.get("query_string", b""), body)
-        if type(answer) is not tuple:
-            if type(answer) is not StreamAnswer:
-                answer = await answer  # type: ignore[misc]
-            if type(answer) is StreamAnswer:
-                return await send_stream(send, answer, head=scope["method"] == "HEAD")
-        status, payload, content_type = answer  # type: ignore[misc]
+        if isinstance(answer, asyncio.Future):
+            answer = await answer
+        if isinstance(answer, StreamAnswer):
+            return await send_stream(send, answer, head=scope["method"] == "HEAD")
+        status, payload, content_type = answer
         await send_bytes(send, status, payload, content_type=content_type, head=scope["method"] == "HEAD")
         return status
 
@@ -411,7 +411,7 @@ class JsonBodyEndpoint(DirectEndpoint):
         if type(result) is tuple:
             status, payload = result
             return status, encode(payload), _JSON_HEADERS
-        return asyncio.ensure_future(_answer_later(result))  # type: ignore[arg-type]
+        return asyncio.ensure_future(_answer_later(cast(LaterResult, result)))
 
 
 async def _answer_later(result: Awaitable[HandlerResult]) -> Answer:
@@ -636,8 +636,8 @@ class Service(Starlette):
             series, status = route.series, 405
             await send_bytes(send, status, NOT_ALLOWED_BODY, head=head,
                              extra_headers=[(b"allow", allow_header(route.methods))])
-        elif route.access and (refusal := self.api_keys.check(_header(scope, b"authorization"),  # type: ignore[union-attr]
-                                                               route.access)) is not None:
+        elif (route.access and self.api_keys is not None
+              and (refusal := self.api_keys.check(_header(scope, b"authorization"), route.access)) is not None):
             series, status = route.series, refusal.status
             await send_bytes(send, status, refusal.body, head=head, extra_headers=[refusal.header_pair])
         else:

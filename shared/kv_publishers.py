@@ -2,9 +2,10 @@
 
 The indexer has to ingest what inference engines really publish, so these publishers reproduce
 each engine's wire format byte for byte. The engine stand-in (`dynamo_lite.mock_engine`)
-publishes its cache's events with them, and the tests drive the indexer with them: the payload is encoded from `msgspec.Struct` classes
-declared with the same options (array_like / omit_defaults / tag / field order / defaults) as the
-engine's own, with `msgspec.msgpack.Encoder()` as the engines use it. The layouts come from:
+publishes its cache's events with them, and the tests drive the indexer with them: the payload
+is encoded from `msgspec.Struct` classes declared with the same options (array_like /
+omit_defaults / tag / field order / defaults) as the engine's own, with
+`msgspec.msgpack.Encoder()` as the engines use it. The layouts come from:
 
 * `WireFormat.VLLM` -- vLLM 0.33.0, `vllm/distributed/kv_events.py`: a positional batch
   `[ts, events, data_parallel_rank]` (array_like, omit_defaults) of map events tagged `"type"`

@@ -34,7 +34,7 @@ UNMATCHED_ROUTE: Final = "unmatched"  # the route label of paths that are no rou
 DISCONNECTED: Final = 499  # the status recorded when the client left before its body arrived
 
 
-class RouteSeries(dict):  # type: ignore[type-arg]
+class RouteSeries(dict):
     """status -> [count per bucket..., count above the last bucket, sum of seconds]."""
 
     __slots__ = ("buckets",)

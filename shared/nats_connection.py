@@ -125,8 +125,9 @@ async def connect(url: str, *, name: str, security: NatsSecurity = NatsSecurity(
         await asyncio.wait_for(client.connect(
             server_urls(url),
             name=name,
-            connect_timeout=CONNECT_TIMEOUT_SECS,
-            reconnect_time_wait=RECONNECT_WAIT_SECS,
+            # nats-py annotates both as int; it hands them to asyncio as seconds, fractions included.
+            connect_timeout=CONNECT_TIMEOUT_SECS,  # type: ignore[arg-type]
+            reconnect_time_wait=RECONNECT_WAIT_SECS,  # type: ignore[arg-type]
             max_reconnect_attempts=-1,
             allow_reconnect=True,
             pending_size=PENDING_BYTES,

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 from .client import AsyncIndexerClient, AsyncSlotTrackerClient, PotentialLoad, ServiceCallError
 from .hashing import local_block_hashes, sequence_hashes, to_signed
 
-
 _logger = logging.getLogger("dynamo_lite.routing")
 
 DEFAULT_SOURCES_REFRESH_SECS = 5.0

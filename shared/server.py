@@ -81,7 +81,7 @@ from email.utils import formatdate
 from functools import partial
 from http import HTTPStatus
 from time import perf_counter, time
-from typing import Final, NamedTuple, Union
+from typing import Final, NamedTuple
 from urllib.parse import unquote
 
 import httptools
@@ -89,11 +89,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .http import (
+    NOT_ALLOWED_BODY,
+    NOT_FOUND_BODY,
     Answer,
     Headers,
     LaterAnswer,
-    NOT_ALLOWED_BODY,
-    NOT_FOUND_BODY,
     Service,
     StreamAnswer,
     allow_header,
@@ -273,7 +273,7 @@ class HttpConnection(asyncio.Protocol):
         self.paused = False
         # Answers written in request order behind one that waits (None: nothing waits), and
         # whether to close once they are written.
-        self.queue: deque[Union[bytes, _Waiting]] | None = None
+        self.queue: deque[bytes | _Waiting] | None = None
         self.closing = False
         self.unsent: bytes | None = None  # answers not yet written (see `send`)
         # The task writing a streamed answer (`_pump`), and the future it awaits while the
@@ -297,7 +297,7 @@ class HttpConnection(asyncio.Protocol):
     # --- asyncio.Protocol -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+        self.transport: asyncio.Transport = transport
         limits = self.limits
         if self.server.shutting_down or (limits.max_connections and limits.open_connections >= limits.max_connections):
             limits.refused_connections += 1
@@ -432,7 +432,7 @@ class HttpConnection(asyncio.Protocol):
             self._answer_early(405, NOT_ALLOWED_BODY, _JSON, b"allow: %s\r\n" % allow_header(methods))
             return
         if access:  # API keys configured (only then is a route not OPEN): a `_KeyedConnection`
-            refusal = self.server.app.api_keys.check(self.authorization, access)  # type: ignore[union-attr]
+            refusal = self.server.app.api_keys.check(self.authorization, access)
             if refusal is not None:
                 self._answer_early(refusal.status, refusal.body, _JSON, refusal.header)
                 return
@@ -462,11 +462,11 @@ class HttpConnection(asyncio.Protocol):
         if not self.answered:
             body = self.body
             payload = body[0] if len(body) == 1 else b"".join(body)
-            answer = self.endpoint.answer(self.query_string, payload)  # type: ignore[union-attr]
+            answer = self.endpoint.answer(self.query_string, payload)
             if type(answer) is tuple:
                 self._answer(*answer)
             else:
-                self._answer_later(answer)  # type: ignore[arg-type]
+                self._answer_later(answer)
         self._reset_request()
         self.reading_head = True
         if not self.keep_alive:
@@ -510,7 +510,7 @@ class HttpConnection(asyncio.Protocol):
         return head if method == "HEAD" else head + body
 
     def _record(self, status: int) -> None:
-        self._record_request(status, self.started, self.series, self.method, self.path,  # type: ignore[arg-type]
+        self._record_request(status, self.started, self.series, self.method, self.path,
                              self.trace_id)
 
     def _record_request(self, status: int, started: float, series: RouteSeries, method: str, path: str,
@@ -537,7 +537,7 @@ class HttpConnection(asyncio.Protocol):
             self.idle_since = None
             self.transport.pause_reading()
         self.queue.append(_Waiting(future, self.keep_alive, self.http_1_0, self.method, self.path, self.started,
-                                   self.series, self.trace_id))  # type: ignore[arg-type]
+                                   self.series, self.trace_id))
         future.add_done_callback(self._write_ready)
 
     def _write_ready(self, _: object = None) -> None:
@@ -559,7 +559,7 @@ class HttpConnection(asyncio.Protocol):
                     queue.popleft()
                     self._stream(answer, entry, closed)
                     return
-                status, body, content_type = answer  # type: ignore[misc]
+                status, body, content_type = answer
                 data = self._response(status, body, content_type, b"", entry.keep_alive, entry.http_1_0,
                                       entry.method)
                 self._record_request(status if not closed else DISCONNECTED, entry.started, entry.series,
@@ -730,7 +730,7 @@ class _HeadersConnection(HttpConnection):
             if type(answer) is tuple:
                 self._answer(*answer)
             else:
-                self._answer_later(answer)  # type: ignore[arg-type]
+                self._answer_later(answer)
         HttpConnection.on_message_complete(self)  # answered above: only resets and closes
 
 
@@ -824,7 +824,7 @@ async def serve_app(
             # A handshake is part of the head: bounded by the same timeout.
             tls_options = {"ssl": tls.listener, "ssl_handshake_timeout": limits.header_timeout_secs or None}
         try:
-            listener = await loop.create_server(server, host, port, backlog=BACKLOG, **tls_options)  # type: ignore[arg-type]
+            listener = await loop.create_server(server, host, port, backlog=BACKLOG, **tls_options)
         except OSError as exc:
             # An expected failure (a port in use, an address not on this host): one line, no traceback.
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
@@ -869,7 +869,7 @@ def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log
 class _runner:
     """`asyncio.Runner` for Python 3.10."""
 
-    def __init__(self, new_loop) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, new_loop) -> None:
         self.loop = new_loop()
 
     def __enter__(self) -> _runner:
@@ -880,7 +880,7 @@ class _runner:
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
 
-    def run(self, coroutine) -> None:  # type: ignore[no-untyped-def]
+    def run(self, coroutine) -> None:
         self.loop.run_until_complete(coroutine)
 
 

@@ -57,7 +57,8 @@ def string(body: dict[str, Any], name: str, default: Any = _MISSING) -> str:
     if value is _MISSING:
         if default is _MISSING:
             raise InvalidShape(f"missing field `{name}`")
-        return default  # type: ignore[no-any-return]
+        fallback: str = default
+        return fallback
     if type(value) is not str:
         raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected a string")
     return value
@@ -78,7 +79,8 @@ def _bounded_int(body: dict[str, Any], name: str, low: int, high: int, kind: str
     if value is _MISSING:
         if default is _MISSING:
             raise InvalidShape(f"missing field `{name}`")
-        return default  # type: ignore[no-any-return]
+        fallback: int = default
+        return fallback
     if type(value) is not int:
         raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected {kind}")
     if not low <= value <= high:
@@ -138,18 +140,17 @@ def u32_list(body: dict[str, Any], name: str) -> list[int]:
 
 def tenant(body: dict[str, Any]) -> str:
     """The partition's tenant: `tenant_id`, or its input alias `routing_group`; default "default"."""
-    tenant_id = body.get("tenant_id", _MISSING)
-    routing_group = body.get("routing_group", _MISSING)
-    if tenant_id is not _MISSING and type(tenant_id) is not str:
-        raise InvalidShape(f"tenant_id: invalid type: {describe(tenant_id)}, expected a string")
-    if routing_group is not _MISSING and type(routing_group) is not str:
-        raise InvalidShape(
-            f"routing_group: invalid type: {describe(routing_group)}, expected a string"
-        )
-    return resolve_tenant(
-        None if tenant_id is _MISSING else tenant_id,
-        None if routing_group is _MISSING else routing_group,
-    )
+    return resolve_tenant(_optional_string(body, "tenant_id"), _optional_string(body, "routing_group"))
+
+
+def _optional_string(body: dict[str, Any], name: str) -> str | None:
+    """`body[name]`, a string, or None when absent (a JSON null is a wrong type, not absent)."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING:
+        return None
+    if not isinstance(value, str):
+        raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected a string")
+    return value
 
 
 def resolve_tenant(tenant_id: str | None, routing_group: str | None) -> str:
@@ -225,6 +226,6 @@ def is_u64(value: int) -> bool:
 
 def tenant_of(tenant_id: str | msgspec.UnsetType, routing_group: str | msgspec.UnsetType) -> str:
     return resolve_tenant(
-        None if tenant_id is msgspec.UNSET else tenant_id,  # type: ignore[arg-type]
-        None if routing_group is msgspec.UNSET else routing_group,  # type: ignore[arg-type]
+        None if tenant_id is msgspec.UNSET else tenant_id,
+        None if routing_group is msgspec.UNSET else routing_group,
     )

@@ -14,7 +14,6 @@ import copy
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile

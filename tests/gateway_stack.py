@@ -15,17 +15,14 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-
 from envoy_support import FALLBACKS_CONFIG, EnvoyProcess
 from reference_server import ServerURL, free_port, running_server, running_service
 

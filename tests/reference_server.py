@@ -25,8 +25,8 @@ import contextlib
 import errno
 import fcntl
 import os
-import shutil
 import random
+import shutil
 import signal
 import socket
 import subprocess

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import schemathesis

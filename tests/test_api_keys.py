@@ -24,8 +24,8 @@ from dynamo_lite.auth import Access, ApiKeys, key_list, read_key_file
 from dynamo_lite.client import AsyncSlotTrackerClient, IndexerClient, ServiceCallError, SlotTrackerClient
 from dynamo_lite.credentials import ClientCredentials, api_key_from_env
 from dynamo_lite.http import Answer, Headers, HeadersEndpoint, Service
-from dynamo_lite.server import ConnectionLimits, HttpServer
 from dynamo_lite.indexer.app import create_app as create_indexer
+from dynamo_lite.server import ConnectionLimits, HttpServer
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
 
 OLD_KEY, NEW_KEY, FILE_KEY, READ_KEY = "old-key-1", "new-key-2", "file-key-3", "read-key-4"

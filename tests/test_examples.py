@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from docs_support import blocks
 from reference_server import running_service
 

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-
 from envoy_support import SUBSET_LUA, envoy_binary, lua_filter
 from gateway_stack import MODEL, GatewayStack
 
@@ -280,8 +279,9 @@ def test_sigterm_lets_streams_in_flight_finish() -> None:
 
 
 def test_the_http_side_is_what_openapi_epp_yaml_says(gateway: GatewayStack) -> None:
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     document = yaml.safe_load((Path(__file__).resolve().parents[1] / "openapi" / "epp.yaml").read_text())
     assert gateway.picker is not None

@@ -220,7 +220,7 @@ def test_indexer_large_routes_take_8_mib_and_the_others_2_mib(indexer: ServerURL
 # JSON the parser or the API refuses
 # --------------------------------------------------------------------------------------------
 
-ADD = '{"model_name": "%s", "request_id": "r", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [1, 2], ' % MODEL
+ADD = f'{{"model_name": "{MODEL}", "request_id": "r", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [1, 2], '
 
 MALFORMED = {
     "nested arrays 100k deep": b"[" * 100_000 + b"]" * 100_000,

@@ -40,7 +40,6 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-
 from fake_engine import GROW, SHRINK, FakeEngine, Query, Workload, dump_facts
 from reference_server import free_port, require_reference_or_skip, running_server
 

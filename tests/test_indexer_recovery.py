@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-
 from fake_engine import GROW, SHRINK, FakeEngine, Workload, dump_facts
 from reference_server import require_reference_or_skip, running_server
 from test_indexer_differential import (

@@ -22,12 +22,19 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-
-from dynamo_lite.kv_publishers import EnginePublisher, WireFormat
 from nats_support import NatsServer
 from reference_server import ServerURL, free_port, running_server
-from test_indexer_zmq import BLOCK, chain, eventually, listener, query, wait_seq
-from test_indexer_zmq import context  # noqa: F401 - the fixture
+from test_indexer_zmq import (
+    BLOCK,
+    chain,
+    context,  # noqa: F401 - the fixture
+    eventually,
+    listener,
+    query,
+    wait_seq,
+)
+
+from dynamo_lite.kv_publishers import EnginePublisher, WireFormat
 
 REPLAY_TIMEOUT_SECS = 2.0
 PAUSE_SECS = 2 * REPLAY_TIMEOUT_SECS + 1  # well past the replay deadline

@@ -24,8 +24,6 @@ from typing import Any
 
 import httpx
 import zmq
-
-from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
 from fake_engine import GROW, SHRINK, FakeEngine, Workload, events_document
 from nats_support import NatsServer
 from reference_server import ServerURL, running_server
@@ -38,6 +36,8 @@ from test_indexer_differential import (
     ours_argv,
     wait_for_facts,
 )
+
+from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
 
 CONVERGE_SECS = 30.0
 QUERIES = 60
@@ -170,7 +170,7 @@ def assert_same_index(replicas: list[Service], single: Service, workload: Worklo
         wait_for_facts(replica, expected, timeout=CONVERGE_SECS)
     reference_workers = worker_view(single)
     for replica in replicas:
-        wait_until(lambda: worker_view(replica), lambda view: view == reference_workers,
+        wait_until(lambda replica=replica: worker_view(replica), lambda view: view == reference_workers,
                    f"{where}: {replica.name}'s /workers equal to the single process's")
     mismatches = Mismatches()
     for key in workload.partitions:

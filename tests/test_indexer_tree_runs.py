@@ -14,9 +14,9 @@ import random
 from typing import Any
 
 import pytest
-import xxhash
 import test_indexer_eviction as eviction_suite
 import test_indexer_model as model_suite
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule

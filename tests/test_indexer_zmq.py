@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import zmq
+from reference_server import ServerURL, free_port, running_server
 
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
 from dynamo_lite.indexer.listeners import REPLAY_ATTEMPTS
 from dynamo_lite.kv_publishers import Cleared, DpEngine, EnginePublisher, Removed, Stored, WireFormat
-from reference_server import ServerURL, free_port, running_server
 
 BLOCK = 16
 TOKENS = list(range(1, 129))  # 8 blocks
@@ -394,7 +394,7 @@ def test_an_endpoint_that_accepts_tcp_but_never_speaks_zmq_is_not_active(
     model, worker = model_name(), next(_ids)
     # The kernel completes TCP connections to a listening socket; nothing ever answers ZMQ.
     with socket.create_server(("127.0.0.1", 0)) as mute:
-        endpoint = "tcp://127.0.0.1:%d" % mute.getsockname()[1]
+        endpoint = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
         response = indexer.post("/register", json={"instance_id": worker, "model_name": model,
                                                    "block_size": BLOCK, "endpoint": endpoint})
         assert response.status_code == 201

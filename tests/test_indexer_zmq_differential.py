@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 import zmq
+from reference_server import free_port, require_reference_or_skip, running_server
 
 from dynamo_lite.hashing import local_block_hashes, local_block_hashes_with_media, sequence_hashes, to_signed
 from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
-from reference_server import free_port, require_reference_or_skip, running_server
 
 pytestmark = pytest.mark.reference
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from reference_server import ServerURL, free_port, running_service
 
 from dynamo_lite.tokenizer import Tokenizer
-from reference_server import ServerURL, free_port, running_service
 
 BLOCK = 16
 CONVERSATION = [

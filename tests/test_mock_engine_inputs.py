@@ -7,7 +7,8 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from dynamo_lite.kv_publishers import WireFormat

@@ -5,14 +5,13 @@ what it does when a connection is closed under it or an answer never comes."""
 from __future__ import annotations
 
 import asyncio
-
 from collections.abc import Iterator
 
 import pytest
+from reference_server import free_port, running_service
 
 from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError
 from dynamo_lite.pipelined import PipelinedTransport
-from reference_server import free_port, running_service
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +28,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from docs_support import block_starting_with, blocks, marked_blocks
 from reference_server import running_service
 

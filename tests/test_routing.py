@@ -74,11 +74,12 @@ def test_busy_thresholds_exclude_ranks_and_all_busy_raises() -> None:
 def test_select_for_a_model_nobody_registered_raises_no_worker_available() -> None:
     import asyncio
 
+    from test_client import in_process
+
     from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
     from dynamo_lite.indexer.app import create_app as create_indexer
     from dynamo_lite.routing import KvRouter
     from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
-    from test_client import in_process
 
     async def scenario() -> None:
         async with AsyncSlotTrackerClient(client=in_process(create_slot_tracker())) as tracker, \
@@ -132,14 +133,14 @@ def test_router_prefers_the_worker_holding_the_prefix_and_books_it() -> None:
             assert (decision.worker_id, decision.chosen.cached_tokens) == (2, 6 * BLOCK)
             assert {c.worker_id: c.prefill_tokens for c in decision.costs} == {1: 128, 2: 32, 3: 128}
             handle = await router.commit(decision, "req-1")
-            loads = {(l.worker_id, l.dp_rank): l for l in await slots.loads()}
+            loads = {(load.worker_id, load.dp_rank): load for load in await slots.loads()}
             assert (loads[(2, 0)].active_prefill_tokens, loads[(2, 0)].active_decode_blocks) == (32, 8)
             await handle.prefill_complete()
             await handle.output_blocks(3)
-            loads = {(l.worker_id, l.dp_rank): l for l in await slots.loads()}
+            loads = {(load.worker_id, load.dp_rank): load for load in await slots.loads()}
             assert (loads[(2, 0)].active_prefill_tokens, loads[(2, 0)].active_decode_blocks) == (0, 11)
             await handle.free()
-            assert all(l.active_decode_blocks == 0 for l in await slots.loads())
+            assert all(load.active_decode_blocks == 0 for load in await slots.loads())
             await handle.output_blocks(4)  # after free: a no-op, not a 404
             overridden = await router.select("m", isl_tokens=len(tokens), local_hashes=local,
                                              sequence_hashes=chained, overlap_score_weight=0.0)

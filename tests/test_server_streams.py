@@ -21,12 +21,11 @@ import pytest
 import uvloop
 from starlette.routing import Route
 from starlette.testclient import TestClient
+from test_server import get
 
 from dynamo_lite import http
 from dynamo_lite.metrics import DISCONNECTED
 from dynamo_lite.server import ConnectionLimits, HttpConnection, HttpServer
-
-from test_server import get
 
 SSE = b"text/event-stream"
 
@@ -268,7 +267,7 @@ class Raw:
             return not self.buffer and self.sock.recv(65536) == b""
         except ConnectionError:
             return True
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             return False
         finally:
             self.sock.settimeout(10)

@@ -12,12 +12,11 @@ from typing import Any
 import orjson
 import pytest
 from starlette.testclient import TestClient
+from test_server import Connection, get, post
 
 from dynamo_lite import http
 from dynamo_lite.errors import Conflict
 from dynamo_lite.server import ConnectionLimits, HttpServer
-
-from test_server import Connection, get, post
 
 
 def make_app() -> http.Service:

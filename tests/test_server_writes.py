@@ -12,12 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from test_server import Connection, get, post
+from test_server_waiting_answers import ServerThread
 
 from dynamo_lite import http
 from dynamo_lite.server import ConnectionLimits, HttpConnection, HttpServer
-
-from test_server import Connection, get, post
-from test_server_waiting_answers import ServerThread
 
 
 class CountingTransport:

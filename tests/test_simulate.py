@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from reference_server import free_port, running_server, running_service
+
 from dynamo_lite.client import SlotTrackerClient
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes
 from dynamo_lite.indexer.protocols import parse_events_document
@@ -33,14 +35,13 @@ from dynamo_lite.simulate.policies import RandomPolicy, RoundRobinPolicy
 from dynamo_lite.simulate.progress import Progress
 from dynamo_lite.simulate.trace import (
     BlockExpander,
-    TraceError,
     SimRequest,
+    TraceError,
     TraceRecord,
     expand_trace,
     load_trace,
     parse_lines,
 )
-from reference_server import free_port, running_server, running_service
 
 # --- fleet ------------------------------------------------------------------------------------
 

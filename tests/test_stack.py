@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from docs_support import marked_blocks
 from envoy_support import envoy_binary
 

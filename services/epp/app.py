@@ -28,6 +28,7 @@ from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.errors import InvalidArgument
 from dynamo_lite.http import Answer
 from dynamo_lite.tokenizer import Tokenizer
+from dynamo_lite.validation import decode_json
 
 from .grpc_server import EppServer
 from .metrics import EppMetrics
@@ -76,7 +77,7 @@ class BusyThresholdEndpoint(http.DirectEndpoint):
         picker: KvPicker | None = self.holder.get("picker")
         if picker is None:
             return 503, http.error_body("starting"), b"application/json"
-        changes = http.decode_json(body)
+        changes = decode_json(body)
         if not isinstance(changes, dict):
             raise InvalidArgument("the body must be an object naming thresholds to change")
         if changes:

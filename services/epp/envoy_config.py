@@ -32,7 +32,7 @@ def http_filter(config: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
-    return _hcm(config)["http_filters"]  # type: ignore[no-any-return]
+    return _hcm(config)["http_filters"]
 
 
 def cluster(config: dict[str, Any], name: str) -> dict[str, Any]:

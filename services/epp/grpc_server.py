@@ -46,8 +46,8 @@ from .protocol import (
     SUBSET_KEY,
     SUBSET_NAMESPACE,
     Pick,
-    PickError,
     Picker,
+    PickError,
     RequestInfo,
     RequestTracker,
 )
@@ -102,7 +102,7 @@ def immediate_response(status: int, message: str, headers: dict[str, str] | None
     all_headers.update({k.lower(): v for k, v in (headers or {}).items()})
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=status),
             headers=pb.HeaderMutation(set_headers=_set_headers(all_headers)),
             body=json.dumps({"error": message}).encode(),
             details=f"epp_{status}",

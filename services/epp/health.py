@@ -133,7 +133,8 @@ class HealthService:
         status = self.status(service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
-        return status  # type: ignore[return-value]
+            raise AssertionError("unreachable: abort raises")
+        return status
 
     async def watch(self, service: str, context: grpc.aio.ServicerContext) -> AsyncIterator[int]:
         last: int | None = None

@@ -1011,8 +1011,8 @@ class PoolWatcher:
                 self._tracker_stale = {w for w in self._tracker_stale if w.identity not in wanted_ids}
             if indexer_listed is not None:
                 self._indexer_done = (self._indexer_done & indexer_listed) | (want_ranks & indexer_listed)
-                wanted_ids = {r.identity for r in want_ranks & indexer_listed}
-                self._indexer_stale = {r for r in self._indexer_stale if r.identity not in wanted_ids}
+                wanted_rank_ids = {r.identity for r in want_ranks & indexer_listed}
+                self._indexer_stale = {r for r in self._indexer_stale if r.identity not in wanted_rank_ids}
 
         # Unregister first: a changed worker's old registration is in the way of its new one.
         stale_workers, stale_ranks = list(self._tracker_stale), list(self._indexer_stale)

@@ -32,6 +32,7 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 REASON_FULL = "queue-full"
 REASON_TIMEOUT = "queue-timeout"
@@ -185,7 +186,8 @@ class RequestQueue:
         entry.alive = False
         del self._live[entry.item.request_id]
         limit = max(_COMPACT_MIN, 2 * len(self._live))
-        for heap in (self._order, self._deadlines, self._arrivals):
+        heaps: tuple[list[Any], ...] = (self._order, self._deadlines, self._arrivals)  # entries last in each
+        for heap in heaps:
             if len(heap) > limit:
                 heap[:] = [t for t in heap if t[-1].alive]
                 heapq.heapify(heap)

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from dynamo_lite.cli import (
-    add_security_arguments,
-    check_security_arguments,
-    peer_credentials,
     YOUNG_ONLY_GC_THRESHOLDS,
     add_recovery_arguments,
+    add_security_arguments,
+    check_security_arguments,
     configure_logging,
     non_negative_float,
     non_negative_int,
     parse_args,
+    peer_credentials,
     positive_float,
     serve,
     service_parser,
 )
-
+from dynamo_lite.errors import InvalidArgument
 from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_APPROX_MAX_BLOCKS, DEFAULT_APPROX_TTL_SECS, IndexerConfig, create_app
@@ -73,7 +72,7 @@ def parse_workers(text: str, *, model_name: str, tenant_id: str, block_size: int
             validate_endpoint(endpoint)
             if plus:
                 validate_endpoint(replay, "replay endpoint")
-        except Exception as error:  # InvalidArgument: its message is the explanation
+        except InvalidArgument as error:  # its message is the explanation
             raise ValueError(f"--workers entry {entry!r}: {error}") from None
         subscriptions.append(
             Subscription(model_name, tenant_id, block_size, worker_id, dp_rank, endpoint, replay if plus else None)
@@ -248,4 +247,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

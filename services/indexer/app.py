@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from msgspec import UNSET, UnsetType
 
@@ -31,18 +31,17 @@ from dynamo_lite.errors import InvalidArgument, InvalidShape, ServiceError
 from dynamo_lite.http import HandlerResult, QueryParams
 from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
 
-from .approx import DEFAULT_MAX_BLOCKS as DEFAULT_APPROX_MAX_BLOCKS
-from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
-
 from . import replication
 from .answers import query_answer
+from .approx import DEFAULT_MAX_BLOCKS as DEFAULT_APPROX_MAX_BLOCKS
+from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
 from .endpoints import EndpointRules
 from .jetstream import ReplicaCollector, StreamReplica, StreamSettings
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
 from .metrics import IndexerCollector, ListenerCollector
 from .peers import PeerList, recover
+from .protocols import EventsDocument, read_events_document
 from .snapshot import Snapshots
-from .protocols import PartitionEvents, decode_events_document
 from .state import Indexer
 
 logger = logging.getLogger("dynamo_lite.indexer")
@@ -89,8 +88,8 @@ class QueryRequest(RequestBody):
     token_ids: list[U32]
     tenant_id: Tenant = UNSET
     routing_group: Tenant = UNSET
-    lora_name: Optional[str] = None
-    cache_salt: Optional[str] = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
     @classmethod
     def from_json(cls, body: Any) -> QueryRequest:
@@ -108,13 +107,13 @@ class RoutedRequest(RequestBody):
 
     model_name: str
     instance_id: U64
-    block_hashes: Union[list[I64], UnsetType] = UNSET
-    token_ids: Union[list[U32], UnsetType] = UNSET
+    block_hashes: list[I64] | UnsetType = UNSET
+    token_ids: list[U32] | UnsetType = UNSET
     dp_rank: U32 = 0
     tenant_id: Tenant = UNSET
     routing_group: Tenant = UNSET
-    lora_name: Optional[str] = None
-    cache_salt: Optional[str] = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
     def in_range(self) -> bool:
         if self.block_hashes is UNSET:
@@ -215,8 +214,8 @@ class IndexerRoutes:
                         rank.listener = listener.info()
         return 200, workers
 
-    def events(self, document: list[PartitionEvents]) -> Any:
-        return 200, self.indexer.apply_events(document)
+    def events(self, document: EventsDocument) -> Any:
+        return 200, self.indexer.apply_events(document.sections)
 
     def query_by_hash(self, request: QueryByHashRequest) -> HandlerResult:
         return 200, query_answer(self.indexer.query(
@@ -280,10 +279,9 @@ class ReplicatedRoutes(IndexerRoutes):
             raise applied.error
         return status, OK
 
-    def events(self, document: tuple[bytes, list[PartitionEvents]]) -> Any:
-        body, parsed = document
-        self.indexer.check_events(parsed)
-        return self._accepted(replication.EVENTS, body)
+    def events(self, document: EventsDocument) -> Any:
+        self.indexer.check_events(document.sections)
+        return self._accepted(replication.EVENTS, document.body)
 
     def routed(self, request: RoutedRequest) -> Any:
         tenant_id = tenant_of(request.tenant_id, request.routing_group)
@@ -300,11 +298,6 @@ class ReplicatedRoutes(IndexerRoutes):
     async def _accepted(self, kind: str, data: bytes) -> HandlerResult:
         sequence = await self.replica.publish(kind, data)
         return 202, {"status": "accepted", "stream_sequence": sequence}
-
-
-def _read_events_for_stream(body: bytes) -> tuple[bytes, list[PartitionEvents]]:
-    """The document as posted (published as it is) and parsed (checked here first)."""
-    return body, decode_events_document(body)
 
 
 def _unregistration(body: Any) -> tuple[int, str, str, int | None]:
@@ -442,8 +435,7 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             http.post("/register", routes.register),
             http.post("/unregister", routes.unregister),
             http.get("/workers", routes.workers, parameters=_FILTERS),
-            http.post("/events", routes.events, max_body=LARGE_BODY,
-                      read=_read_events_for_stream if replica is not None else decode_events_document),
+            http.post("/events", routes.events, max_body=LARGE_BODY, read=read_events_document),
             http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest, access=Access.READ),
             http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY, access=Access.READ),
             http.post("/routed", routes.routed, request_type=RoutedRequest, max_body=LARGE_BODY),

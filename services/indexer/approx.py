@@ -33,7 +33,7 @@ Pure: the caller passes the time (`now`, monotonic, and `wall_now`, Unix time fo
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice, repeat
 from operator import itemgetter, or_
@@ -45,7 +45,7 @@ from dynamo_lite.indexer.tree import MatchResult, PrefixTree, StoreStatus, Worke
 DEFAULT_TTL_SECS = 120.0  # Dynamo's approximate-mode TTL
 DEFAULT_MAX_BLOCKS = 2**20  # Dynamo's --router-max-tree-size default
 
-_consume = deque(maxlen=0).extend  # runs an iterator to its end in C
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # runs an iterator to its end in C
 
 
 def shadow_of(key: WorkerKey) -> WorkerKey:

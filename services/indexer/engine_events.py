@@ -38,7 +38,7 @@ Such events are counted as `ignored` by reason, never silently. A batch that doe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final, Optional, Union
+from typing import Any, Final, Union, cast
 
 import msgspec
 
@@ -96,12 +96,12 @@ class MalformedBatch(ValueError):
 
 class _PositionalStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     block_hashes: list[Hash]
-    parent_block_hash: Optional[Hash] = None
+    parent_block_hash: Hash | None = None
     token_ids: Tokens = []
     block_size: int = 0
     lora_id: Any = None
-    medium: Optional[str] = None
-    lora_name: Optional[str] = None
+    medium: str | None = None
+    lora_name: str | None = None
     extra_keys: Any = None
     trailing_1: Any = None
     trailing_2: Any = None
@@ -110,7 +110,7 @@ class _PositionalStored(msgspec.Struct, array_like=True, tag="BlockStored"):
 
 class _PositionalRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
     block_hashes: list[Hash]
-    medium: Optional[str] = None
+    medium: str | None = None
     trailing_1: Any = None
     trailing_2: Any = None
 
@@ -127,21 +127,21 @@ class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     block_hashes: list[Hash]
     token_ids: Tokens
     block_size: int
-    parent_block_hash: Optional[Hash] = None
-    medium: Optional[str] = None
-    lora_name: Optional[str] = None
-    cache_salt: Optional[str] = None
+    parent_block_hash: Hash | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
     extra_keys: Any = None
     block_mm_infos: Any = None
-    group_idx: Optional[int] = None
-    kv_cache_spec_kind: Optional[str] = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _MapRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
     block_hashes: list[Hash]
-    medium: Optional[str] = None
-    group_idx: Optional[int] = None
-    kv_cache_spec_kind: Optional[str] = None
+    medium: str | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _MapCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
@@ -155,15 +155,15 @@ class _MapIgnored(msgspec.Struct, tag_field="type", tag="Ignored"):
 class _PositionalBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: Optional[int] = None
+    data_parallel_rank: int | None = None
 
 
 class _MapBatch(msgspec.Struct):
     events: list[msgspec.Raw]
     ts: float = 0.0
-    data_parallel_rank: Optional[int] = None
-    attn_dp_rank: Optional[int] = None
-    dp_rank: Optional[int] = None
+    data_parallel_rank: int | None = None
+    attn_dp_rank: int | None = None
+    dp_rank: int | None = None
 
 
 _positional_batch = msgspec.msgpack.Decoder(_PositionalBatch)
@@ -205,13 +205,13 @@ def decode_batch(payload: bytes, *, worker_id: int, dp_rank: int, seq: int, bloc
             raise MalformedBatch(f"data_parallel_rank {batch_rank} is outside the u32 range")
         rank = dp_rank if batch_rank is None else batch_rank
         decoded = DecodedBatch(rank, [])
-        for index, raw in enumerate(raw_events):
+        for raw in raw_events:
             event = (_map_event if _is_map(raw) else _positional_event).decode(raw)
             data, tier, reason = _convert(event, block_size)
             if reason is not None:
                 decoded.ignored[reason] = decoded.ignored.get(reason, 0) + 1
-                continue
-            decoded.events.append(RouterEvent(worker_id, rank, seq, tier, data))  # type: ignore[arg-type]
+            elif data is not None:  # always, without a reason
+                decoded.events.append(RouterEvent(worker_id, rank, seq, tier, data))
         return decoded
     except msgspec.DecodeError as error:
         raise MalformedBatch(str(error)) from None
@@ -283,20 +283,20 @@ def _main_group(event: Any) -> bool:
 
 def _hashes(values: list[Hash]) -> list[int]:
     try:  # ints only, in the u64 range: two C passes (an int compared with bytes raises)
-        low = min(values) if values else 0
-        if type(low) is int and low >= 0 and max(values, default=0) <= U64_MASK:
-            return values  # type: ignore[return-value]
+        low: Any = min(values) if values else 0  # an int or bytes, compared once it is known to be an int
+        if type(low) is int and low >= 0 and cast(int, max(values, default=0)) <= U64_MASK:
+            return cast("list[int]", values)  # every value an int: min() raised otherwise
     except TypeError:
         pass
     return [_hash(value) for value in values]
 
 
 def _hash(value: Hash) -> int:
-    if type(value) is bytes:
+    if isinstance(value, bytes):
         return int.from_bytes(value, "big") & U64_MASK
-    if not -(2**63) <= value <= U64_MASK:  # type: ignore[operator]
+    if not -(2**63) <= value <= U64_MASK:
         raise ValueError(f"block hash {value} is outside the i64 and u64 ranges")
-    return value & U64_MASK  # type: ignore[operator]
+    return value & U64_MASK
 
 
 def _tokens(raw: Any) -> tuple[list[int], int]:
@@ -353,7 +353,7 @@ def _stored(
 
 def _media(event: _Stored) -> list[list[int] | None] | None:
     """Per block, the multimodal hashes that enter its local hash (None: a text-only event)."""
-    infos = event.block_mm_infos if type(event) is _MapStored else _positional_mm_infos(event)
+    infos = event.block_mm_infos if isinstance(event, _MapStored) else _positional_mm_infos(event)
     if infos is not None:
         return _from_mm_infos(infos)
     if event.extra_keys is not None:

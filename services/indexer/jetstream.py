@@ -60,8 +60,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dynamo_lite.errors import PayloadTooLarge, ServiceError, Unavailable
-from dynamo_lite.snapshots import SnapshotError
 from dynamo_lite.nats_connection import ConnectionCounts, NatsCollector, NatsSecurity, connect
+from dynamo_lite.snapshots import SnapshotError
 
 from . import replication
 from .listeners import Listeners, Subscription
@@ -409,7 +409,7 @@ class StreamReplica:
             self._pull_status = None
             try:
                 await self.client.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.settings.stream}.{self.name}", request,
-                                          reply=self._inbox)
+                                          reply=self._inbox or "")  # "": nats-py's "no reply"
                 await asyncio.wait_for(self._pull_done.wait(), FETCH_TIMEOUT_SECS + 2.0)
             except asyncio.CancelledError:
                 raise
@@ -432,8 +432,7 @@ class StreamReplica:
 
     async def _on_message(self, message: Msg) -> None:
         headers = message.headers
-        status = headers.get("Status") if headers else None
-        if status is not None:
+        if headers is not None and (status := headers.get("Status")) is not None:
             if status != "100":  # not an idle heartbeat: the request is over
                 self._pull_status = status
                 if status == "409":

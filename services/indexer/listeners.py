@@ -261,8 +261,8 @@ class EngineListener:
         monitor = sub.get_monitor_socket(_MONITORED)
         # The asyncio sockets wait; reads go through plain shadows of them, which return frames
         # (or raise Again) instead of a Future per message.
-        sub_reader = zmq.Socket.shadow(sub.underlying)
-        monitor_reader = zmq.Socket.shadow(monitor.underlying)
+        sub_reader: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        monitor_reader: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
         try:
             sub.connect(self.subscription.endpoint)
             poller = zmq.asyncio.Poller()
@@ -381,8 +381,7 @@ class EngineListener:
             await self.publisher.publish_reset(sub, sorted(self._fed), seq, payload)
             dropped = "dropping"
         else:
-            dropped = "dropped %d" % sum(self.indexer.reset_rank(sub.model_name, sub.tenant_id, *key)
-                                         for key in self._fed)
+            dropped = f"dropped {sum(self.indexer.reset_rank(sub.model_name, sub.tenant_id, *key) for key in self._fed)}"
         logger.warning(
             "worker %d dp_rank %d restarted: seq %d after %s; %s its device blocks, rebuilding from "
             "what it sends now", sub.worker_id, sub.dp_rank, seq, self.last_seq, dropped,
@@ -497,7 +496,7 @@ class EngineListener:
             self._dealer.setsockopt(zmq.LINGER, 0)
             self._dealer.connect(sub.replay_endpoint)
         dealer = self._dealer
-        reader = zmq.Socket.shadow(dealer.underlying)
+        reader: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         applied = 0
         quiet = 0.0  # seconds waited since the last answer, pauses of the process not counted
@@ -513,7 +512,7 @@ class EngineListener:
                     return False
                 slice_secs = min(REPLAY_WAIT_SLICE_SECS, self.replay_timeout_secs - quiet)
                 waited_from = time.monotonic()
-                await dealer.poll(int(slice_secs * 1000) + 1, zmq.POLLIN)
+                await dealer.poll(int(slice_secs * 1000) + 1)  # POLLIN, the default
                 quiet += min(time.monotonic() - waited_from, slice_secs)
                 continue
             quiet = 0.0
@@ -593,7 +592,7 @@ class Listeners:
     def __len__(self) -> int:
         return len(self._listeners)
 
-    def status_counts(self) -> dict[str, int]:
+    def status_counts(self) -> dict[Status, int]:
         counts = dict.fromkeys(STATUSES, 0)
         for listener in self._listeners.values():
             counts[listener.status] += 1

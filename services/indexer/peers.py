@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import orjson
 
-from dynamo_lite.errors import NotFound
 from dynamo_lite.credentials import ClientCredentials
+from dynamo_lite.errors import NotFound
 from dynamo_lite.peers import recover as recover_from_peers
 
 from .state import Indexer

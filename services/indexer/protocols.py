@@ -41,15 +41,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Annotated, Any, Final, Literal, NoReturn, Optional, Union
+from typing import Annotated, Any, Final, Literal, NamedTuple, NoReturn, Union
 
 import msgspec
 import orjson
 from msgspec import UNSET, UnsetType
 
 from dynamo_lite.errors import InvalidShape
-from dynamo_lite.validation import decode_json, describe
 from dynamo_lite.hashing import I64_MIN, U64_MAX, to_unsigned, to_unsigned_list
+from dynamo_lite.validation import decode_json, describe
 
 U32_MAX: Final = 2**32 - 1
 
@@ -249,7 +249,8 @@ def _dp_rank(raw: dict[str, Any], inner: dict[str, Any], where: str, index: int)
         raise InvalidShape(
             f"{_path(where, index, '.dp_rank')}: {outer} differs from event.dp_rank {nested}"
         )
-    return outer  # type: ignore[no-any-return]
+    rank: int = outer
+    return rank
 
 
 def _parse_stored(stored: Any, where: str, index: int) -> Stored:
@@ -346,7 +347,7 @@ class _Block(msgspec.Struct):
 
 class _Stored(msgspec.Struct):
     blocks: list[_Block]
-    parent_hash: Optional[int] = None
+    parent_hash: int | None = None
 
 
 class _Removed(msgspec.Struct):
@@ -356,22 +357,22 @@ class _Removed(msgspec.Struct):
 class _Data(msgspec.Struct, forbid_unknown_fields=True):
     """`{"stored": ...}`, `{"removed": ...}` or `{"cleared": null}`: exactly one is set."""
 
-    stored: Union[_Stored, UnsetType] = UNSET
-    removed: Union[_Removed, UnsetType] = UNSET
-    cleared: Union[None, UnsetType] = UNSET
+    stored: _Stored | UnsetType = UNSET
+    removed: _Removed | UnsetType = UNSET
+    cleared: None | UnsetType = UNSET
 
 
 class _Event(msgspec.Struct):
     event_id: Annotated[int, msgspec.Meta(ge=0)]
-    data: Union[Literal["cleared"], _Data]
-    dp_rank: Union[Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)], UnsetType] = UNSET
+    data: Literal["cleared"] | _Data
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)] | UnsetType = UNSET
 
 
 class _RouterEvent(msgspec.Struct):
     worker_id: Annotated[int, msgspec.Meta(ge=0)]
     event: _Event
     storage_tier: StorageTier = DEVICE
-    dp_rank: Union[Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)], UnsetType] = UNSET
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)] | UnsetType = UNSET
 
 
 class _ApproximateBlock(msgspec.Struct):
@@ -384,7 +385,7 @@ class _Approximation(msgspec.Struct):
     worker_id: Annotated[int, msgspec.Meta(ge=0)]
     blocks: list[_ApproximateBlock]
     dp_rank: Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)] = 0
-    parent_hash: Optional[int] = None
+    parent_hash: int | None = None
 
 
 class _Section(msgspec.Struct):
@@ -400,6 +401,19 @@ _tokens_hashes = attrgetter("tokens_hash")
 
 class _Refused(Exception):
     """The fast path cannot take this document; `parse_events_document` will say why."""
+
+
+class EventsDocument(NamedTuple):
+    """A posted `/events` document: the bytes as received (what a replica publishes to the
+    stream unchanged) and its sections, parsed."""
+
+    body: bytes
+    sections: list[PartitionEvents]
+
+
+def read_events_document(body: bytes) -> EventsDocument:
+    """The `/events` route's reader, the same with and without `--nats`."""
+    return EventsDocument(body, decode_events_document(body))
 
 
 def decode_events_document(body: bytes) -> list[PartitionEvents]:
@@ -472,7 +486,7 @@ def _event(raw: _RouterEvent) -> RouterEvent:
         parsed = CLEARED
     else:
         raise _Refused  # {}
-    return RouterEvent(raw.worker_id, dp_rank, inner.event_id, raw.storage_tier, parsed)  # type: ignore[arg-type]
+    return RouterEvent(raw.worker_id, dp_rank, inner.event_id, raw.storage_tier, parsed)
 
 
 def _u64s(values: list[int]) -> list[int]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final, Optional, Union
+from typing import Any, Final, Union
 
 import msgspec
 import orjson
@@ -38,7 +38,7 @@ from .engine_events import MalformedBatch, decode_batch
 from .listeners import Subscription
 from .protocols import PartitionEvents, decode_events_document
 from .snapshot import encode_partitions
-from .state import ApplyReport, Indexer, RankState
+from .state import ApplyReport, Indexer, RankState, Source
 from .tree import WorkerKey
 
 EVENTS: Final = "events"
@@ -56,15 +56,15 @@ class Register(msgspec.Struct, array_like=True, frozen=True):
     block_size: int
     instance_id: int
     dp_rank: int
-    endpoint: Optional[str] = None
-    replay_endpoint: Optional[str] = None
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
 
 
 class Unregister(msgspec.Struct, array_like=True, frozen=True):
     model_name: str
     tenant_id: str
     instance_id: int
-    dp_rank: Optional[int] = None
+    dp_rank: int | None = None
 
 
 class Routed(msgspec.Struct, array_like=True, frozen=True):
@@ -196,11 +196,11 @@ class _RankState(msgspec.Struct, array_like=True):
     block_size: int
     instance_id: int
     dp_rank: int
-    source: str
+    source: Source
     registered: bool
-    endpoint: Optional[str]
-    replay_endpoint: Optional[str]
-    last_event_id: Optional[int]
+    endpoint: str | None
+    replay_endpoint: str | None
+    last_event_id: int | None
 
 
 @dataclass
@@ -238,7 +238,7 @@ def load_snapshot(indexer: Indexer, data: bytes) -> tuple[int, list[Subscription
     registrations subscribe to. Raises ValueError or ServiceError for a snapshot it cannot use."""
     document = msgspec.json.decode(data, type=_SnapshotDocument)
     indexer.load_dump(orjson.loads(bytes(document.index)))
-    states = [RankState(r.model_name, r.tenant_id, r.block_size, r.instance_id, r.dp_rank, r.source,  # type: ignore[arg-type]
+    states = [RankState(r.model_name, r.tenant_id, r.block_size, r.instance_id, r.dp_rank, r.source,
                         r.registered, r.endpoint, r.replay_endpoint, r.last_event_id) for r in document.ranks]
     indexer.restore_rank_states(states)
     subscriptions = [Subscription(s.model_name, s.tenant_id, s.block_size, s.instance_id, s.dp_rank, s.endpoint,

@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from dynamo_lite.errors import ServiceError
+
 # The file handling is shared with the slot tracker's snapshots ("X as X": also this module's).
 from dynamo_lite.snapshots import SnapshotError as SnapshotError
 from dynamo_lite.snapshots import Snapshots as ServiceSnapshots

@@ -36,8 +36,8 @@ from dynamo_lite.hashing import local_block_hashes
 from dynamo_lite.indexer.approx import (
     DEFAULT_MAX_BLOCKS,
     DEFAULT_TTL_SECS,
-    ApproxTotals,
     Approximations,
+    ApproxTotals,
     RoutedReport,
 )
 from dynamo_lite.indexer.protocols import (

@@ -110,12 +110,12 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
-from itertools import repeat
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import repeat
 from operator import attrgetter
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import msgspec
 
@@ -129,7 +129,7 @@ from dynamo_lite.indexer.protocols import (
 )
 
 WorkerKey = tuple[int, int]  # (worker_id, dp_rank)
-TransitionKey = tuple[Optional[int], int]  # (parent external hash | None, local hash)
+TransitionKey = tuple[int | None, int]  # (parent external hash | None, local hash)
 
 
 class Node(msgspec.Struct, gc=False, eq=False):
@@ -143,10 +143,10 @@ class Node(msgspec.Struct, gc=False, eq=False):
 
     local: int
     ext: int
-    parent: Optional[Node]
+    parent: Node | None
     holders: int
     child: Any = None  # None | Node | dict[int, Node]: one child is the norm
-    run: Optional[Run] = None  # the run this node is in, if a query made one
+    run: Run | None = None  # the run this node is in, if a query made one
 
 
 class Chain(msgspec.Struct, gc=False, eq=False):
@@ -167,8 +167,8 @@ class Chain(msgspec.Struct, gc=False, eq=False):
     holders: int
     child: Any = None
     run: None = None  # never in a run; here so that code reading `node.run` needs no check
-    unsigned: Optional[list[int]] = None  # `locals` as a list, made when a query first needs it
-    signed: Optional[list[int]] = None  # the same as i64
+    unsigned: list[int] | None = None  # `locals` as a list, made when a query first needs it
+    signed: list[int] | None = None  # the same as i64
 
     @property
     def local(self) -> int:
@@ -296,7 +296,7 @@ def _settle_run(pending: list[Node], end: int, marks: list[int], stops: list[Sto
         Run(pending, end - len(pending), marks, stops)
 
 
-_consume = deque(maxlen=0).extend  # runs an iterator to its end in C
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # runs an iterator to its end in C
 
 
 def _common(query: list[int], start: int, end: int, run: Run | Chain, signed: bool) -> tuple[int, bool]:

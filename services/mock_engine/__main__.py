@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from dynamo_lite.cli import configure_logging, non_negative_float, parse_args, positive_float, serve, service_parser
 from dynamo_lite.kv_publishers import WireFormat
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         app = create_app(config, tokenizer, default_max_tokens=args.default_max_tokens, lora_names=lora_names)
-    except Exception as exc:  # a KV events port in use, a bad endpoint
+    except Exception as exc:  # noqa: BLE001 - a KV events port in use, a bad endpoint, a bad LoRA: all end the start
         log.error("cannot start: %s", exc)
         raise SystemExit(3) from None
     log.info(
@@ -125,4 +124,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

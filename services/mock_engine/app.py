@@ -85,7 +85,6 @@ class EngineState:
     tokenizer: Tokenizer
     served: ServedModel
     texts: list[str]  # token id -> its text (filler ids only are generated)
-    ttft: Histogram
 
 
 class GenerateEndpoint(HeadersEndpoint):
@@ -252,7 +251,7 @@ class VllmCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "engine"]
-        families = {
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "running": GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
                                          labels=labels),
             "waiting": GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
@@ -290,7 +289,7 @@ def create_app(config: EngineConfig, tokenizer: Tokenizer, *, default_max_tokens
     for token in filler:
         texts[token] = tokenizer.decode([token])
     collector = VllmCollector(engine, config.model)
-    state = EngineState(engine, tokenizer, served, texts, None)  # type: ignore[arg-type]  # ttft: below
+    state = EngineState(engine, tokenizer, served, texts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: http.Service) -> AsyncIterator[None]:
@@ -316,7 +315,6 @@ def create_app(config: EngineConfig, tokenizer: Tokenizer, *, default_max_tokens
     )
     ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                      ["model_name", "engine"], buckets=TTFT_BUCKETS, registry=app.metrics_registry)
-    state.ttft = ttft
     for rank in engine.ranks:
         rank.ttft_observer = lambda dp_rank, seconds: ttft.labels(config.model, str(dp_rank)).observe(seconds)
     app.state.engine = engine

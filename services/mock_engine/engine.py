@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo_lite.hashing import to_signed
-from dynamo_lite.kv_publishers import EnginePublisher, Event, Removed, Stored, WireFormat
+from dynamo_lite.kv_publishers import BlockHash, EnginePublisher, Event, Removed, Stored, WireFormat
 from dynamo_lite.timing import TimingModel
 
 from .cache import PrefixCache
@@ -99,14 +99,19 @@ def _sglang_event(event: Event) -> Event:
     the indexer for vLLM's events, hashes without it, so both sides stay in step.)"""
     if isinstance(event, Stored):
         return Stored(
-            block_hashes=[to_signed(h) for h in event.block_hashes],  # type: ignore[arg-type]
-            parent_block_hash=None if event.parent_block_hash is None else to_signed(event.parent_block_hash),  # type: ignore[arg-type]
+            block_hashes=[_signed(h) for h in event.block_hashes],
+            parent_block_hash=None if event.parent_block_hash is None else _signed(event.parent_block_hash),
             token_ids=event.token_ids, block_size=event.block_size, lora_id=None, medium=event.medium,
             lora_name=event.lora_name,
         )
     if isinstance(event, Removed):
-        return Removed(block_hashes=[to_signed(h) for h in event.block_hashes], medium=event.medium)  # type: ignore[arg-type]
+        return Removed(block_hashes=[_signed(h) for h in event.block_hashes], medium=event.medium)
     return event
+
+
+def _signed(block_hash: BlockHash) -> BlockHash:
+    """An int hash as SGLang writes it (i64); the cache here makes no bytes hashes."""
+    return block_hash if isinstance(block_hash, bytes) else to_signed(block_hash)
 
 
 @dataclass(frozen=True, slots=True)

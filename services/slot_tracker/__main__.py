@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from dynamo_lite.cli import (
+    add_recovery_arguments,
     add_security_arguments,
     check_security_arguments,
-    peer_credentials,
-    add_recovery_arguments,
     configure_logging,
     non_negative_float,
     parse_args,
+    peer_credentials,
     positive_float,
     serve,
     service_parser,
@@ -90,4 +89,4 @@ def nats_settings(args: argparse.Namespace) -> NatsSettings | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -48,7 +48,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Literal
+from typing import Any, Final, Literal
 
 import msgspec
 from sortedcontainers import SortedDict
@@ -200,7 +200,7 @@ class PotentialLoad:
 # msgspec structs: encoded and decoded (with every type checked) in one C pass each. Fields are
 # encoded in declaration order; the lists come last so a writer can stream them.
 
-DUMP_VERSION = 1  # a reader refuses any other: `version` is declared `Literal[1]`
+DUMP_VERSION: Final = 1  # a reader refuses any other: `version` is declared `Literal[1]`
 
 
 class DumpedWorker(msgspec.Struct):
@@ -595,9 +595,7 @@ def _walk(holders: dict[int, Group], held: set[int]) -> Iterator[tuple[Group, se
     for _ in range(_WALK_STEPS):
         if not held:
             return
-        for block_hash in held:
-            break
-        group = holders[block_hash]
+        group = holders[next(iter(held))]
         members = group.members
         common = members if members <= held else members & held
         held -= common
@@ -661,11 +659,11 @@ def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> N
             parts[group] = []
     if parts:
         for block_hash in known:
-            part = parts.get(holders[block_hash])
-            if part is not None:
-                part.append(block_hash)
-        for group, part in parts.items():
-            groups.append(_split(holders, group, set(part)))
+            members = parts.get(holders[block_hash])
+            if members is not None:
+                members.append(block_hash)
+        for group, members in parts.items():
+            groups.append(_split(holders, group, set(members)))
 
 
 def _split(holders: dict[int, Group], group: Group, part: set[int]) -> Group:
@@ -720,13 +718,11 @@ def _held_counts(partition: Partition, held: set[int]) -> list[int]:
     `bin`, cost twice as much.
     """
     holders = partition.holders
-    per_mask: dict[int, list] = {}  # mask -> [hits, the refs of a group with that mask]
+    per_mask: dict[int, list[Any]] = {}  # mask -> [hits, the refs of a group with that mask]
     for _ in range(_WALK_STEPS):  # `_walk`, counting hits by what the removal took
         if not held:
             break
-        for block_hash in held:
-            break
-        group = holders[block_hash]
+        group = holders[next(iter(held))]
         before = len(held)
         held -= group.members
         hits = before - len(held)

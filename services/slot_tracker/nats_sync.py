@@ -302,6 +302,7 @@ class NatsReplication:
         try:
             if client.is_connected:
                 await asyncio.sleep(0)  # nats-py writes its PING at once: let its flusher send the batch first
+                # nats-py annotates `timeout` as int; it hands it to asyncio as seconds, fractions included.
                 await client.flush(timeout=self.settings.publish_timeout_secs)  # type: ignore[arg-type]
             else:
                 self.counts.unconfirmed += 1
@@ -391,7 +392,7 @@ class NatsReplication:
             total += len(chunk) - CHUNK_HEAD.size
             if unflushed >= FLUSH_EVERY_BYTES:
                 unflushed = 0
-                await self.client.flush(timeout=STATE_CHUNK_TIMEOUT_SECS)  # type: ignore[arg-type]
+                await self.client.flush(timeout=STATE_CHUNK_TIMEOUT_SECS)  # type: ignore[arg-type]  # as above
         self.counts.states_sent += 1
         logger.info("sent the state to a joining replica: %s, %d bytes in %d chunks, %.2fs",
                     describe(dump), total, len(chunks), time.perf_counter() - started)
@@ -503,7 +504,7 @@ class NatsReplication:
     def _own_batches(self, after: int) -> list[Batch]:
         """This replica's logged batches numbered after `after`."""
         batches = []
-        for first_seq, last_seq, data in reversed(self._log):
+        for _first_seq, last_seq, data in reversed(self._log):
             if last_seq <= after:
                 break
             message = decode_message(data)

@@ -59,14 +59,13 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Union
 
 import msgspec
 
 from dynamo_lite.errors import ServiceError
 
 from .core import Partition, SlotTracker, SlotTrackerDump
-
 
 
 class Tag(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -128,7 +127,7 @@ class Free(msgspec.Struct, array_like=True, frozen=True, tag=6):
     model_name: str
     tenant_id: str
     request_id: str
-    target: Optional[Tag]  # None: the publishing replica held no such request
+    target: Tag | None  # None: the publishing replica held no such request
     seen: tuple[Tag, ...] = ()  # with no target: its version vector, as (origin, last seq) pairs
 
 
@@ -184,7 +183,7 @@ class Incarnation(msgspec.Struct, array_like=True, frozen=True, gc=False):
     worker_id: int
     dp_rank: int
     new_isl_tokens: int
-    hashes: Optional[tuple[int, ...]] = None
+    hashes: tuple[int, ...] | None = None
     freed: bool = False  # a free named it
 
     @property
@@ -210,12 +209,12 @@ class History(msgspec.Struct, array_like=True, frozen=True, gc=False):
     garbage collector down to its common case, one incarnation: see `Tag`."""
 
     touched: float  # the tracker clock at its last op; forgotten a request TTL later
-    first: Optional[Incarnation] = None
+    first: Incarnation | None = None
     others: tuple[Incarnation, ...] = ()  # more adds of the same id: a conflict, or a reuse
     freed: tuple[Tag, ...] = ()  # frees naming an incarnation not received here (yet)
     unknown_frees: tuple[UnknownFree, ...] = ()
     progress: tuple[Progress, ...] = ()  # one per target
-    placed: Optional[Tag] = None  # the incarnation this replica's tracker holds (or held until expiry)
+    placed: Tag | None = None  # the incarnation this replica's tracker holds (or held until expiry)
 
 
 def incarnations(history: History) -> tuple[Incarnation, ...]:
@@ -543,11 +542,11 @@ class Replica:
         if origin == self.origin:
             return None  # this replica's own ops, echoed: applied when accepted
         self.heard[origin] = self.tracker.clock()
-        if type(message) is Heartbeat:
+        if isinstance(message, Heartbeat):
             if message.last_seq > self.known_last.get(origin, 0):
                 self.known_last[origin] = message.last_seq
             return self._gap(origin)
-        batch: Batch = message  # type: ignore[assignment]
+        batch = message
         if batch.last_seq > self.known_last.get(origin, 0):
             self.known_last[origin] = batch.last_seq
         expected = self.vector.get(origin, 0) + 1
@@ -626,23 +625,22 @@ class Replica:
         self.counts.record_delay(self.wall_clock() - batch.accepted_at)
 
     def _apply(self, origin: int, seq: int, op: Op) -> None:
-        kind = type(op)
-        if kind is Add:
-            self._apply_add(origin, seq, op)  # type: ignore[arg-type]
-        elif kind is Free:
-            self._apply_free(origin, seq, op)  # type: ignore[arg-type]
-        elif kind is PrefillComplete or kind is OutputBlocks:
-            known = self.history(op.model_name, op.tenant_id, op.request_id) or History(0.0)  # type: ignore[union-attr]
-            prefill = kind is PrefillComplete
-            output_blocks = 0 if prefill else op.output_blocks  # type: ignore[union-attr]
-            progress = _with_progress(known.progress, op.target, prefill, output_blocks)  # type: ignore[union-attr]
-            self._settle(op.model_name, op.tenant_id, op.request_id,  # type: ignore[union-attr]
+        if isinstance(op, Add):
+            self._apply_add(origin, seq, op)
+        elif isinstance(op, Free):
+            self._apply_free(origin, seq, op)
+        elif isinstance(op, (PrefillComplete, OutputBlocks)):
+            known = self.history(op.model_name, op.tenant_id, op.request_id) or History(0.0)
+            prefill = isinstance(op, PrefillComplete)
+            output_blocks = op.output_blocks if isinstance(op, OutputBlocks) else 0
+            progress = _with_progress(known.progress, op.target, prefill, output_blocks)
+            self._settle(op.model_name, op.tenant_id, op.request_id,
                          msgspec.structs.replace(known, progress=progress))
-        elif kind is Register:
-            self._apply_register(op)  # type: ignore[arg-type]
-        elif kind is Unregister:
+        elif isinstance(op, Register):
+            self._apply_register(op)
+        elif isinstance(op, Unregister):
             try:
-                self.tracker.unregister(op.worker_id, op.model_name, op.tenant_id)  # type: ignore[union-attr]
+                self.tracker.unregister(op.worker_id, op.model_name, op.tenant_id)
             except ServiceError:
                 pass  # already gone here: unregistering is idempotent across replicas
 
@@ -657,7 +655,9 @@ class Replica:
         if any(concurrent(other, incarnation) and not dead(other, known) for other in previous):
             self.counts.conflicts += 1
         history = _with_incarnation(known, incarnation)
-        if freed(_find(incarnations(history), incarnation.tag), history):  # type: ignore[arg-type]
+        added = _find(incarnations(history), incarnation.tag)
+        assert added is not None  # `_with_incarnation` put it there (or it was already known)
+        if freed(added, history):
             self.counts.late_adds += 1  # its free came first: the tombstone keeps it out
         self._settle(op.model_name, op.tenant_id, op.request_id, history)
 

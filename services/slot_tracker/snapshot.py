@@ -25,8 +25,8 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from dynamo_lite.errors import ServiceError
 from dynamo_lite.credentials import ClientCredentials
+from dynamo_lite.errors import ServiceError
 from dynamo_lite.peers import recover as recover_from_peers
 from dynamo_lite.snapshots import SnapshotError, Snapshots, read_file
 

@@ -24,6 +24,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import orjson
+
 from dynamo_lite.cli import HelpFormatter, add_client_arguments, client_credentials_from
 from dynamo_lite.client import ServiceCallError
 from dynamo_lite.routing import RouterConfig

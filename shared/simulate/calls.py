@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import httpx
+
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
 from dynamo_lite.credentials import ClientCredentials
 

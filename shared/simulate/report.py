@@ -142,5 +142,6 @@ def format_tables(results: Sequence[PolicyResult], config: FleetConfig, bound: C
            f"{first.simulated_seconds:.0f} simulated s" if first else "")
     )
     heading += f"\nbound: hit ratio {bound.hit_ratio:.3f} for one LRU of {bound.capacity_blocks} blocks"
-    parts = [heading, "", summary, "", BOUND_DEFINITION + ".", LOAD_DEFINITION + ".", "", LATENCY_DEFINITION + ":", latency, *problems]
+    parts = [heading, "", summary, "", BOUND_DEFINITION + ".", LOAD_DEFINITION + ".", "",
+             LATENCY_DEFINITION + ":", latency, *problems]
     return "\n".join(parts).rstrip() + "\n"

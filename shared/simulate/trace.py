@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import orjson
+
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes
 
 MOONCAKE_BLOCK_TOKENS: Final = 512
