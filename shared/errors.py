@@ -37,6 +37,11 @@ class Conflict(ServiceError):
     status = 409
 
 
+class AlreadyRegistered(Conflict):
+    """A registration for a worker (or rank) that is registered already, here or in another
+    partition. Replicas that share one `--workers` list expect it of each other."""
+
+
 class PayloadTooLarge(ServiceError):
     status = 413
 

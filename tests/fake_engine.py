@@ -5,7 +5,7 @@ engine's PUB endpoint and the indexer connects a SUB socket to it (empty subscri
 ingests the same events over HTTP (`POST /events`, the `/dump` document shape). `FakeEngine`
 produces both from one list of events, so a test can feed the reference and ours identically:
 
-* wire (reference notes §4-§5): one message per batch, exactly three frames
+* wire (as Dynamo 1.6.1 reads it): one message per batch, exactly three frames
   `[topic, seq (8-byte big-endian u64, counting from 0 per socket), msgpack(KVEventBatch)]`,
   `KVEventBatch = [ts: float, [event, ...], data_parallel_rank]`, events in vLLM's positional
   form:
@@ -14,9 +14,9 @@ produces both from one list of events, so a test can feed the reference and ours
       ["BlockRemoved", block_hashes, medium]
       ["AllBlocksCleared"]
 
-  A store with a `cache_salt` is written in the map form (§5.3) instead, the only form that can
+  A store with a `cache_salt` is written in the map form instead, the only form that can
   carry one: `{"type": "BlockStored", ..., "cache_salt": salt}`.
-* ours (§7): one RouterEvent per wire event, `tokens_hash` = the local block hash of each
+* ours: one RouterEvent per wire event, `tokens_hash` = the local block hash of each
   block's tokens (with the event's lora_name / cache_salt), `block_hash` = the engine's
   external hash, `storage_tier` from the medium (None/"GPU" device, "CPU" host_pinned, "DISK"
   disk), `event_id` = the seq of the batch the event came in (Dynamo's live RouterEvents carry
@@ -285,12 +285,12 @@ class FakeEngine:
 # `Workload` drives a set of FakeEngines like a serving fleet would: shared system prompts plus
 # unique suffixes, multi-turn continuations, decode-style extensions, tail-first evictions
 # (optionally offloaded to CPU, and from CPU to DISK), occasional AllBlocksCleared. It stays in
-# the CLEAN DOMAIN of the reference notes (§8.6): every worker's device coverage is
+# the clean domain: every worker's device coverage is
 # prefix-closed and the external hash of a block is a function of its prefix (Dynamo's chained
 # sequence hash over the local hashes), identical on every worker.
 #
-# It also keeps the simple model of §8.6 (coverage = set of stored prefix paths) plus the
-# lower-tier transitions of §8.5, from which `expected_facts` (a dump, normalised) and
+# It also keeps the coverage model of `dynamo_lite.indexer.tree` (coverage = set of stored prefix paths) plus the
+# lower-tier transitions, from which `expected_facts` (a dump, normalised) and
 # `expected_answer` (a query response) are computed.
 
 DEVICE_TIER = "device"
@@ -301,7 +301,7 @@ TIER_MEDIUM = {HOST_TIER: "CPU", DISK_TIER: "DISK"}
 
 @dataclass(frozen=True)
 class Context:
-    """What changes the local hash seed of a block (reference notes §6.2)."""
+    """What changes the local hash seed of a block."""
 
     lora_name: str | None = None
     cache_salt: str | None = None

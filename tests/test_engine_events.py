@@ -27,7 +27,7 @@ from dynamo_lite.indexer.protocols import CLEARED, Removed, Stored
 
 encode = msgspec.msgpack.encode
 TOKENS = list(range(1, 65))
-LOCAL_16 = local_block_hashes(TOKENS, 16)  # reference notes §6.3, row 3
+LOCAL_16 = local_block_hashes(TOKENS, 16)  # a Dynamo 1.6.1 test vector (tests/test_hashing.py)
 
 
 def decode(payload: bytes, *, block_size: int = 16, dp_rank: int = 0) -> Any:
@@ -44,7 +44,7 @@ def vllm_stored(hashes: list[Any], parent: Any, tokens: list[Any], block_size: i
 
 
 def test_reference_example_bytes_of_a_legacy_positional_batch() -> None:
-    # Reference notes §5.7: [1700000000.0, [["BlockStored",[161,162],nil,[1..32],16,nil,nil,nil]], 0]
+    # Dynamo 1.6.1's own example batch: [1700000000.0, [["BlockStored",[161,162],nil,[1..32],16,nil,nil,nil]], 0]
     payload = bytes.fromhex(
         "93cb41d954fc40000000919" "8ab426c6f636b53746f726564" "92cca1cca2c0dc0020"
         + bytes(range(1, 33)).hex() + "10c0c0c000"
@@ -140,7 +140,7 @@ def test_events_that_are_not_indexed_are_counted_by_reason() -> None:
 
 
 def test_short_token_ids_keep_the_blocks_before_the_first_short_one() -> None:
-    # Reference notes §5.4: 6 tokens for 2 x 4 stores 1 block; extra tokens are ignored.
+    # As Dynamo 1.6.1 does: 6 tokens for 2 x 4 stores 1 block; extra tokens are ignored.
     batch = decode(encode([0.0, [vllm_stored([1, 2], None, [1, 2, 3, 4, 5, 6], block_size=4),
                                  vllm_stored([3], None, [1, 2, 3, 4, 5], block_size=4)], 0]), block_size=4)
     assert [event.data.block_hashes for event in batch.events] == [[1], [3]]
@@ -158,7 +158,7 @@ def test_lora_name_cache_salt_and_multimodal_keys_enter_the_local_hash() -> None
                     block_mm_infos=[{"mm_objects": [{"mm_hash": 9, "offsets": []}, {"mm_hash": 3}]}]),
     ]
     hashes = [event.data.tokens_hashes for event in decode(encode([0.0, events, 0])).events]
-    assert hashes[0] == [7774427462321301335]  # reference notes §6.3: range(0, 16), lora_name my-lora
+    assert hashes[0] == [7774427462321301335]  # Dynamo 1.6.1's test vector: range(0, 16), lora_name my-lora
     assert hashes[1] == local_block_hashes(TOKENS[:16], 16, cache_salt="tenant-a")
     media = local_block_hashes_with_media(TOKENS[:32], 16, [[int(image[:16], 16)], None])
     assert hashes[2] == media and media[1] == LOCAL_16[1] and media[0] != LOCAL_16[0]

@@ -1,4 +1,4 @@
-"""Dynamo 1.6.1 hash compatibility: the observed test vectors (reference §6.3) and properties."""
+"""Dynamo 1.6.1 hash compatibility: the observed test vectors and properties."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_i64_round_trip(value: int) -> None:
 def test_blocks_hash_independently_like_a_plain_xxh3(
     tokens: list[int], block_size: int, lora_name: str | None, cache_salt: str | None
 ) -> None:
-    """An independent implementation of §6.1/6.2: per full block, XXH3 of LE u32 bytes."""
+    """An independent implementation: per full block, XXH3 of LE u32 bytes."""
     seed = 1337
     if lora_name:
         seed += xxh3_64_intdigest(lora_name.encode(), 0)

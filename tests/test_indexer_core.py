@@ -25,7 +25,7 @@ from dynamo_lite.indexer.protocols import (
 from dynamo_lite.indexer.state import MAX_LISTED, Gap, Indexer, Rejection
 from dynamo_lite.indexer.tree import Node, PrefixTree, StoreStatus
 
-# Local hashes of range(1, 65) in blocks of 16 (reference §6.3 / §9.2).
+# Local hashes of range(1, 65) in blocks of 16 (Dynamo 1.6.1's test vectors).
 L = local_block_hashes(list(range(1, 65)), 16)
 
 
@@ -289,7 +289,7 @@ def test_section_9_2_exact_dump() -> None:
 
 
 def test_lower_tier_hits_without_device_hits() -> None:
-    """§3.7: a worker with host/disk copies only shows in `instances` with gpu 0."""
+    """As Dynamo 1.6.1 answers: a worker with host/disk copies only shows in `instances` with gpu 0."""
     tokens = list(range(1, 17))
     h = local_block_hashes(tokens, 4)
     indexer = Indexer()
@@ -411,7 +411,7 @@ def test_clear_empties_every_tier_of_one_worker() -> None:
 
 def test_mid_chain_removal_follows_the_simple_model() -> None:
     """Blocks below a removed block stop counting; re-storing the block revives them, as the
-    coverage model says (the engine never reported them gone). No edge-split dependence (Q2)."""
+    coverage model says (the engine never reported them gone). No edge-split dependence (docs/differences.md, mid-chain removal)."""
     tree = PrefixTree()
     w, other = (1, 0), (2, 0)
     tree.store(w, None, [11, 12, 13, 14], L)
@@ -460,7 +460,7 @@ def test_lower_tier_names_are_exact_per_worker() -> None:
 
 
 def test_q3_scenario_credits_the_right_worker() -> None:
-    """Reference Q3: W1 removes block 2 of [A0..A3] while W2 holds [A0, A1, X]."""
+    """Mid-chain removal (docs/differences.md): W1 removes block 2 of [A0..A3] while W2 holds [A0, A1, X]."""
     tree = PrefixTree()
     w1, w2 = (1, 0), (2, 0)
     tree.store(w1, None, [10, 11, 12, 13], L)
@@ -470,7 +470,7 @@ def test_q3_scenario_credits_the_right_worker() -> None:
 
 
 def test_inconsistent_external_hashes_stay_exact_per_worker() -> None:
-    """Reference Q1: B stores A's content under other names; B keeps its own names."""
+    """Known content under other names (docs/differences.md): B stores A's content under other names; B keeps its own names."""
     tree = PrefixTree()
     a, b = (1, 0), (2, 0)
     tree.store(a, None, [11, 12], L[:2])

@@ -6,11 +6,11 @@ one seeded, realistic event stream over ZMQ, to which both references subscribe 
 `POST /register`; ours is registered the same way and gets the very same events as RouterEvents
 over `POST /events`.
 
-The stream stays in the reference notes' CLEAN DOMAIN (§8.6), where our answers must equal the
+The stream stays in the clean domain, where our answers must equal the
 reference's exactly: shared system prompts plus unique suffixes and multi-turn continuations,
 external hashes chained from the prefix (the same on every worker), decode-style extensions,
 tail-first evictions (any order inside one event), CPU offload of evicted runs whose parent is a
-device block of the same worker and CPU -> DISK demotion (§8.5), occasional AllBlocksCleared,
+device block of the same worker and CPU -> DISK demotion, occasional AllBlocksCleared,
 LoRA (positional form) and cache-salt (map form) chains, hashes sometimes sent as i64.
 
 The reference applies ZMQ events asynchronously and has no barrier: after each round the test

@@ -1,6 +1,6 @@
 """The prefix tree against a deliberately simple model of what it must answer.
 
-Model, per worker slot (the reference's §8.6 "simple model", extended to lower tiers):
+Model, per worker slot (the coverage model of `dynamo_lite.indexer.tree`, extended to lower tiers):
 
 * device coverage: the set of prefix chains (tuples of local hashes) it stored and did not
   remove, each under the external hash it was first stored with; a store is rejected whole
@@ -12,7 +12,7 @@ Model, per worker slot (the reference's §8.6 "simple model", extended to lower 
   through host_pinned, then disk, then external.
 
 Prompts share prefixes and repeat content; external hashes are chained like a real engine's,
-with one worker using another hash seed (inconsistent names, the reference's quirk Q1).
+with one worker using another hash seed (inconsistent names, docs/differences.md).
 Removals are tail-first, mid-chain and random (unknown hashes too).
 """
 

@@ -1,5 +1,5 @@
 """Peer recovery (`--peers`): an indexer started with peers loads the first reachable peer's
-`/dump` before it serves (reference notes §10).
+`/dump` before it serves.
 
 * ours from ours: B started with `--peers A` answers every query like A, lists A's workers
   (ours restores workers from the dump's events; the reference does not), has A's exact dump,

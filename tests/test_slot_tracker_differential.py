@@ -637,7 +637,7 @@ def _get(pair: Pair, path: str, params: dict[str, str] | None = None) -> Any:
 
 
 def test_documented_example_and_tracker_lifetime(pair: Pair) -> None:
-    """§6.2 example of the reference notes, then tracker deletion and re-creation."""
+    """The worked example of Dynamo 1.6.1's observed behaviour, then tracker deletion and re-creation."""
     pair.reset()
     pair.context = "(scripted: documented example)"
     reg = {"model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 2}
@@ -751,7 +751,7 @@ def test_malformed_status(pair: Pair, name: str, path: str, body: bytes, headers
 
 @pytest.mark.parametrize("path", ["/loads", "/workers", "/health"])
 def test_a_get_with_a_small_json_body_is_answered_as_without_one(pair: Pair, path: str) -> None:
-    """The reference ignores a body sent with GET (notes §3.4); ours answered 413 before."""
+    """The reference ignores a body sent with GET; ours answered 413 before."""
     answers = [client.request("GET", path, content=b'{"model_name": "m"}', headers=_JSON) for client in (pair.ref, pair.ours)]
     assert answers[0].status_code == 200, answers[0].text
     assert (answers[1].status_code, answers[1].text) == (answers[0].status_code, answers[0].text)
@@ -775,7 +775,7 @@ def test_malformed_tenant_field(pair: Pair, tenant_value: Any) -> None:
     assert ours.status_code == ref.status_code, ours.text
 
 
-# Body-parsing quirks of the reference's serde/axum stack (reference notes §3.3). Where ours
+# Body-parsing quirks of the reference's serde/axum stack. Where ours
 # answers differently on purpose, docs/differences.md says so and the case pins
 # both answers: (path, body, reference status, our status).
 QUIRKS = [

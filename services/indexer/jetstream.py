@@ -225,9 +225,14 @@ class StreamReplica:
                         self.settings.retention_secs)
         return _incarnation(info)
 
+    @property
+    def snapshot_bucket(self) -> str:
+        """The object store bucket holding this stream's snapshot."""
+        return f"{self.settings.stream}_snapshots"
+
     async def _ensure_bucket(self) -> ObjectStore:
         assert self._js is not None
-        bucket = f"{self.settings.stream}_snapshots"
+        bucket = self.snapshot_bucket
         try:
             return await self._js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
@@ -263,7 +268,7 @@ class StreamReplica:
             sequence, subscriptions = replication.load_snapshot(self.indexer, data)
         except (ValueError, ServiceError) as exc:
             raise SnapshotError(
-                f"the snapshot in bucket {self._store._name} is not usable ({getattr(exc, 'message', exc)}); "
+                f"the snapshot in bucket {self.snapshot_bucket} is not usable ({getattr(exc, 'message', exc)}); "
                 "delete it (and let a replica write a new one) or start with --reset-state") from None
         for subscription in subscriptions:
             self._listen(subscription)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from dynamo_lite.errors import Conflict, InvalidArgument, InvalidShape, NotFound
+from dynamo_lite.errors import AlreadyRegistered, Conflict, InvalidArgument, InvalidShape, NotFound
 from dynamo_lite.hashing import local_block_hashes
 from dynamo_lite.indexer.approx import (
     DEFAULT_MAX_BLOCKS,
@@ -217,12 +217,12 @@ class Indexer:
         _check_partition_name(tenant_id)
         owner = self._owner.get(instance_id)
         if owner is not None and (owner.model_name, owner.tenant_id) != (model_name, tenant_id):
-            raise Conflict(f"instance {instance_id} is already registered for {owner.describe()}")
+            raise _registered_elsewhere(instance_id, owner.describe())
         partition = self._partition_for(model_name, tenant_id, block_size)
         key = (instance_id, dp_rank)
         rank = partition.ranks.get(key)
         if rank is not None and rank.registered:
-            raise Conflict(f"instance {instance_id} dp_rank {dp_rank} already registered")
+            raise AlreadyRegistered(f"instance {instance_id} dp_rank {dp_rank} already registered")
         if rank is None:
             rank = partition.ranks[key] = Rank(NONE)
             partition.tree.add_worker(key)
@@ -315,7 +315,7 @@ class Indexer:
         partition = self._existing(model_name, tenant_id)
         owner = self._owner.get(instance_id)
         if owner is not None and owner is not partition:
-            raise Conflict(f"instance {instance_id} is already registered for {owner.describe()}")
+            raise _registered_elsewhere(instance_id, owner.describe())
         if not local_hashes:
             return RoutedReport(0, 0, 0)
         key = (instance_id, dp_rank)
@@ -330,7 +330,7 @@ class Indexer:
         partition = self._existing(model_name, tenant_id)
         owner = self._owner.get(instance_id)
         if owner is not None and owner is not partition:
-            raise Conflict(f"instance {instance_id} is already registered for {owner.describe()}")
+            raise _registered_elsewhere(instance_id, owner.describe())
 
     def hash_tokens(
         self, model_name: str, tenant_id: str, token_ids: Sequence[int], *, lora_name: str | None = None,
@@ -450,9 +450,7 @@ class Indexer:
                 owner = self._owner.get(instance_id)
                 other = (owner.model_name, owner.tenant_id) if owner is not None else claimed.get(instance_id)
                 if other is not None and other != pid:
-                    raise Conflict(
-                        f"instance {instance_id} is already registered for model={other[0]} tenant_id={other[1]}"
-                    )
+                    raise _registered_elsewhere(instance_id, f"model={other[0]} tenant_id={other[1]}")
                 claimed[instance_id] = pid
 
     def _apply(self, document: Sequence[PartitionEvents], *, watermarks: bool) -> ApplyReport:
@@ -722,3 +720,7 @@ def _reason(status: StoreStatus, worker_id: int, dp_rank: int, parent_hash: int 
         return "a block_hash repeats within the event or equals its parent_hash"
     return f"a block_hash of the event already names a different block of {who}"
 
+
+def _registered_elsewhere(instance_id: int, partition: str) -> AlreadyRegistered:
+    """An instance belongs to one partition (model, tenant); `partition` describes its own."""
+    return AlreadyRegistered(f"instance {instance_id} is already registered for {partition}")

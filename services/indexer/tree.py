@@ -11,8 +11,9 @@ engines gave it. Each worker slot owns one bit; a node keeps
   query once, compares masks, and stops as soon as nobody can extend: O(matched depth).
 * `ext`: the external hash of the slot that created the node. A slot that stored the same
   content under a different external hash (inconsistent engine hash seeds) records its own in
-  `WorkerSlot.overrides`, so every slot's external ids stay exact (the reference keeps only the
-  first writer's, its quirk Q1).
+  `WorkerSlot.overrides`, so every slot's external ids stay exact (Dynamo 1.6.1 keeps only the
+  first writer's: docs/differences.md, "a worker storing known content under other external
+  hashes").
 * `child`: None, the only child Node (the common case: a chain), or a dict local hash -> Node
   at branch points; `parent`: for pruning.
 * `run`: the `Run` this node is in, if a query made one (see "Runs" below).
@@ -22,7 +23,7 @@ find their parent and removals find their block.
 
 Removing a block in the middle of a slot's chain
 ------------------------------------------------
-The index follows the simple model of the reference's §8.6 exactly: a slot's coverage is the
+The index follows this coverage model exactly (the tests' node-by-node oracle): a slot's coverage is the
 set of chains it stored and did not remove; its score for a query is the largest k such that
 every prefix query[0..j], j <= k, is covered. A block below a removed one is still covered
 (the engine never said it dropped it) but cannot count until the gap is filled again:
@@ -33,7 +34,7 @@ every prefix query[0..j], j <= k, is covered. A block below a removed one is sti
 * re-storing B sets the bit again and promotes the dormant descendants back into `holders`;
 * a store whose parent is dormant is accepted and stays dormant, as the model says.
 
-The reference gets this wrong (quirk Q2): which deeper blocks come back depends on where its
+Dynamo 1.6.1 does not (docs/differences.md, "mid-chain removal"): which deeper blocks come back depends on where its
 compressed edges happened to be split. Costs: removing a block visits its children, plus the
 slot's held subtree below it when that is not empty (zero for tail-first eviction); a
 re-store visits the dormant subtree it revives. `dormant` is empty unless an engine evicts

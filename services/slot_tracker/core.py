@@ -53,7 +53,7 @@ from typing import Any, Final, Literal
 import msgspec
 from sortedcontainers import SortedDict
 
-from dynamo_lite.errors import Conflict, InvalidArgument, NotFound, ServiceError
+from dynamo_lite.errors import AlreadyRegistered, Conflict, InvalidArgument, NotFound, ServiceError
 from dynamo_lite.validation import I64, U32, U64
 
 MAX_DP_SIZE = 4096
@@ -290,7 +290,7 @@ class SlotTracker:
                     f"existing={partition.block_size}, requested={block_size}"
                 )
             if worker_id in partition.workers:
-                raise Conflict(f"worker {worker_id} already registered for {partition.describe()}")
+                raise AlreadyRegistered(f"worker {worker_id} already registered for {partition.describe()}")
         else:
             partition = Partition(model_name, tenant_id, block_size)
             self.partitions[key] = partition
