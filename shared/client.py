@@ -1,10 +1,17 @@
-"""httpx clients for both services: one method per route, typed results, one error type.
+"""httpx clients for both services: one method per route, typed results, typed errors.
 
 `AsyncSlotTrackerClient` / `AsyncIndexerClient` are the clients a gateway uses on its event
-loop; `SlotTrackerClient` / `IndexerClient` are thin synchronous wrappers for scripts and
-tests. All share one `httpx.AsyncClient` per instance (connection pooling, keep-alive) and a
-timeout per call; a non-2xx answer raises `ServiceCallError` with the status and the service's
-`{"error": ...}` message.
+loop; `SlotTrackerClient` / `IndexerClient` are their synchronous twins for scripts and tests
+(the same methods, written out, each returning its result). All share one `httpx.AsyncClient`
+per instance (connection pooling, keep-alive) and a timeout per call.
+
+Errors, as httpx's: every failed call raises a `ServiceCallError` (catch it for "anything went
+wrong"); a non-2xx answer is a `ServiceStatusError` with the status and the service's
+`{"error": ...}` message; no answer at all is a `ServiceTransportError` (status 0), more
+precisely a `ServiceConnectError` (refused, unreachable) or a `ServiceTimeoutError`.
+
+The public names are those of `__all__`, the ones the client reference lists; the rest of the
+module may change without notice.
 
 Services started with `--api-key` want `Authorization: Bearer KEY`: every client takes
 `api_key=` (default: `DYNAMO_LITE_API_KEY`; `""` sends none), and for https:// URLs `verify=`
@@ -25,9 +32,9 @@ definition of the wire shape):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -35,23 +42,23 @@ import orjson
 from .credentials import Cert, ClientCredentials, Verify, client_credentials
 
 # The slot tracker's answer rows are the core's own types: one definition of the wire shape.
-from .slot_tracker.core import PotentialLoad, RankLoad, WorkerInfo
+from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
 DEFAULT_TIMEOUT_SECS = 5.0
 """Seconds a client waits for each call (connect, read, write) unless told otherwise."""
 DEFAULT_TENANT = "default"
 """The `tenant_id` the clients send when none is given, as the services assume."""
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 class ServiceCallError(Exception):
-    """A call the service answered with an error status, or could not be made at all.
+    """A call the service answered with an error status, or could not be made at all: the base
+    of the client's errors.
 
-    `status` is the HTTP status of the answer, or 0 when there was no answer (connection
-    refused, timeout, connection reset: any transport error); `message` is the service's
-    `{"error": ...}` text, or the transport error's name and text; `method` and `path` name
-    the call (`"POST"`, `"/add"`).
+    `status` is the HTTP status of the answer, or 0 when there was no answer; `message` is the
+    service's `{"error": ...}` text, or the transport error's name and text; `method` and
+    `path` name the call (`"POST"`, `"/add"`).
     """
 
     def __init__(self, status: int, message: str, *, method: str = "", path: str = "") -> None:
@@ -60,6 +67,37 @@ class ServiceCallError(Exception):
         self.message = message
         self.method = method
         self.path = path
+
+
+class ServiceStatusError(ServiceCallError):
+    """The service answered with an error status (4xx, 5xx): 404 an unknown model, rank or
+    request, 409 a conflict with its state, 401/403 a missing or read-only key..."""
+
+
+class ServiceTransportError(ServiceCallError):
+    """No answer: the call could not be sent, or its answer not read (the connection was reset,
+    the answer was cut short). `status` is 0."""
+
+    def __init__(self, message: str, *, method: str = "", path: str = "") -> None:
+        super().__init__(0, message, method=method, path=path)
+
+
+class ServiceConnectError(ServiceTransportError):
+    """The connection could not be opened: refused, unreachable, a failed TLS handshake."""
+
+
+class ServiceTimeoutError(ServiceTransportError):
+    """No answer within the client's `timeout` (connecting, sending or waiting for it)."""
+
+
+def _transport_error(exc: httpx.TransportError, method: str, path: str) -> ServiceTransportError:
+    """The client error for an httpx transport failure."""
+    kind: type[ServiceTransportError] = ServiceTransportError
+    if isinstance(exc, httpx.TimeoutException):
+        kind = ServiceTimeoutError
+    elif isinstance(exc, httpx.ConnectError):
+        kind = ServiceConnectError
+    return kind(f"{type(exc).__name__}: {exc}", method=method, path=path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +143,13 @@ class _Transport:
         try:
             response = await self._client.request(method, path, content=content, headers=headers, params=params)
         except httpx.TransportError as exc:
-            raise ServiceCallError(0, f"{type(exc).__name__}: {exc}", method=method, path=path) from exc
+            raise _transport_error(exc, method, path) from exc
         if response.status_code >= 400:
             try:
                 message = orjson.loads(response.content)["error"]
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 message = response.text or response.reason_phrase
-            raise ServiceCallError(response.status_code, message, method=method, path=path)
+            raise ServiceStatusError(response.status_code, message, method=method, path=path)
         return orjson.loads(response.content) if response.content else None
 
     async def aclose(self) -> None:
@@ -160,7 +198,7 @@ class _AsyncServiceClient:
         await self._transport.aclose()
 
     async def health(self) -> None:
-        """`GET /health`: returns if the service answers, raises `ServiceCallError` otherwise."""
+        """`GET /health`: returns if the service answers, raises a `ServiceCallError` otherwise."""
         await self._transport.call("GET", "/health")
 
 
@@ -444,80 +482,237 @@ class AsyncIndexerClient(_AsyncServiceClient):
         await self._transport.call("POST", "/deregister_peer", {"url": url})
 
 
-A = TypeVar("A", AsyncSlotTrackerClient, AsyncIndexerClient)
+_B = TypeVar("_B", bound="_BlockingClient")
 
 
-class _Blocking(Generic[A]):
-    """Runs an async client's coroutines to completion on a private event loop.
+class _BlockingClient:
+    """Runs an async client's coroutines to completion on a private event loop. Not for use
+    inside a running event loop (use the async client there)."""
 
-    Attribute access forwards to the async client, so the sync clients have exactly the same
-    methods and signatures, returning values instead of awaitables. Not for use inside a running
-    event loop (use the async client there).
-    """
-
-    def __init__(self, async_client: A) -> None:
-        self._async: A = async_client
+    def __init__(self, async_client: _AsyncServiceClient) -> None:
+        self._async = async_client
         self._loop = asyncio.new_event_loop()
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._async, name)
-        if not callable(method) or name.startswith("_"):
-            raise AttributeError(name)
-
-        def blocking(*args: Any, **kwargs: Any) -> Any:
-            return self._run(method(*args, **kwargs))
-
-        return blocking
-
-    def _run(self, coroutine: Awaitable[T]) -> T:
+    def _run(self, coroutine: Awaitable[_T]) -> _T:
         return self._loop.run_until_complete(coroutine)
 
+    def health(self) -> None:
+        """`GET /health`: returns if the service answers, raises a `ServiceCallError` otherwise."""
+        self._run(self._async.health())
+
     def close(self) -> None:
-        """Close the async client's connections and this wrapper's event loop (repeats are no-ops)."""
+        """Close the async client's connections and this client's event loop (repeats are no-ops)."""
         if not self._loop.is_closed():
             self._run(self._async.aclose())
             self._loop.close()
 
-    def __enter__(self) -> _Blocking[A]:
+    def __enter__(self: _B) -> _B:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
-class SlotTrackerClient(_Blocking[AsyncSlotTrackerClient]):
+class SlotTrackerClient(_BlockingClient):
     """Synchronous slot tracker client: `SlotTrackerClient(url).loads()`.
 
-    Same methods and arguments as `AsyncSlotTrackerClient`, each returning its result; for
+    The methods and arguments of `AsyncSlotTrackerClient`, each returning its result; for
     scripts and tests, not inside a running event loop. Use `with` or call `close()`.
     """
+
+    _async: AsyncSlotTrackerClient
 
     def __init__(self, base_url: str = "http://127.0.0.1:8091", *, timeout: float = DEFAULT_TIMEOUT_SECS,
                  api_key: str | None = None, verify: Verify = True, cert: Cert = None) -> None:
         super().__init__(AsyncSlotTrackerClient(base_url, timeout=timeout, api_key=api_key, verify=verify, cert=cert))
 
+    def register(
+        self,
+        worker_id: int,
+        model_name: str,
+        block_size: int,
+        *,
+        dp_start: int = 0,
+        dp_size: int = 1,
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> None:
+        """`AsyncSlotTrackerClient.register`, blocking."""
+        self._run(self._async.register(
+            worker_id, model_name, block_size, dp_start=dp_start, dp_size=dp_size, tenant_id=tenant_id
+        ))
 
-class IndexerClient(_Blocking[AsyncIndexerClient]):
+    def unregister(self, worker_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """`AsyncSlotTrackerClient.unregister`, blocking."""
+        self._run(self._async.unregister(worker_id, model_name, tenant_id=tenant_id))
+
+    def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
+        """`AsyncSlotTrackerClient.workers`, blocking."""
+        return self._run(self._async.workers(model_name, tenant_id))
+
+    def add(
+        self,
+        model_name: str,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        sequence_hashes: Sequence[int],
+        new_isl_tokens: int = 0,
+        *,
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> None:
+        """`AsyncSlotTrackerClient.add`, blocking."""
+        self._run(self._async.add(
+            model_name, request_id, worker_id, dp_rank, sequence_hashes, new_isl_tokens, tenant_id=tenant_id
+        ))
+
+    def prefill_complete(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """`AsyncSlotTrackerClient.prefill_complete`, blocking."""
+        self._run(self._async.prefill_complete(model_name, request_id, tenant_id=tenant_id))
+
+    def output_blocks(
+        self, model_name: str, request_id: str, output_blocks: int, *, tenant_id: str = DEFAULT_TENANT
+    ) -> None:
+        """`AsyncSlotTrackerClient.output_blocks`, blocking."""
+        self._run(self._async.output_blocks(model_name, request_id, output_blocks, tenant_id=tenant_id))
+
+    def free(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """`AsyncSlotTrackerClient.free`, blocking."""
+        self._run(self._async.free(model_name, request_id, tenant_id=tenant_id))
+
+    def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[RankLoad]:
+        """`AsyncSlotTrackerClient.loads`, blocking."""
+        return self._run(self._async.loads(model_name, tenant_id))
+
+    def potential_loads(
+        self,
+        model_name: str,
+        sequence_hashes: Sequence[int],
+        new_isl_tokens: int = 0,
+        *,
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> list[PotentialLoad]:
+        """`AsyncSlotTrackerClient.potential_loads`, blocking."""
+        return self._run(self._async.potential_loads(model_name, sequence_hashes, new_isl_tokens, tenant_id=tenant_id))
+
+    def dump(self) -> dict[str, Any]:
+        """`AsyncSlotTrackerClient.dump`, blocking."""
+        return self._run(self._async.dump())
+
+
+class IndexerClient(_BlockingClient):
     """Synchronous indexer client: `IndexerClient(url).query_by_hash(model, hashes)`.
 
-    Same methods and arguments as `AsyncIndexerClient`, each returning its result; for scripts
+    The methods and arguments of `AsyncIndexerClient`, each returning its result; for scripts
     and tests, not inside a running event loop. Use `with` or call `close()`.
     """
+
+    _async: AsyncIndexerClient
 
     def __init__(self, base_url: str = "http://127.0.0.1:8090", *, timeout: float = DEFAULT_TIMEOUT_SECS,
                  api_key: str | None = None, verify: Verify = True, cert: Cert = None) -> None:
         super().__init__(AsyncIndexerClient(base_url, timeout=timeout, api_key=api_key, verify=verify, cert=cert))
 
+    def register(
+        self,
+        instance_id: int,
+        model_name: str,
+        block_size: int,
+        *,
+        dp_rank: int = 0,
+        tenant_id: str = DEFAULT_TENANT,
+        endpoint: str | None = None,
+        replay_endpoint: str | None = None,
+    ) -> None:
+        """`AsyncIndexerClient.register`, blocking."""
+        self._run(self._async.register(
+            instance_id, model_name, block_size, dp_rank=dp_rank, tenant_id=tenant_id, endpoint=endpoint,
+            replay_endpoint=replay_endpoint
+        ))
+
+    def unregister(
+        self, instance_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT, dp_rank: int | None = None
+    ) -> None:
+        """`AsyncIndexerClient.unregister`, blocking."""
+        self._run(self._async.unregister(instance_id, model_name, tenant_id=tenant_id, dp_rank=dp_rank))
+
+    def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        """`AsyncIndexerClient.workers`, blocking."""
+        return self._run(self._async.workers(model_name, tenant_id))
+
+    def events(self, document: dict[str, Any]) -> dict[str, Any]:
+        """`AsyncIndexerClient.events`, blocking."""
+        return self._run(self._async.events(document))
+
+    def query_by_hash(
+        self, model_name: str, block_hashes: Sequence[int], *, tenant_id: str = DEFAULT_TENANT
+    ) -> OverlapScores:
+        """`AsyncIndexerClient.query_by_hash`, blocking."""
+        return self._run(self._async.query_by_hash(model_name, block_hashes, tenant_id=tenant_id))
+
+    def query(
+        self,
+        model_name: str,
+        token_ids: Sequence[int],
+        *,
+        tenant_id: str = DEFAULT_TENANT,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> OverlapScores:
+        """`AsyncIndexerClient.query`, blocking."""
+        return self._run(self._async.query(
+            model_name, token_ids, tenant_id=tenant_id, lora_name=lora_name, cache_salt=cache_salt
+        ))
+
+    def routed(
+        self,
+        instance_id: int,
+        model_name: str,
+        block_hashes: Sequence[int] | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        dp_rank: int = 0,
+        tenant_id: str = DEFAULT_TENANT,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """`AsyncIndexerClient.routed`, blocking."""
+        return self._run(self._async.routed(
+            instance_id, model_name, block_hashes, token_ids=token_ids, dp_rank=dp_rank, tenant_id=tenant_id,
+            lora_name=lora_name, cache_salt=cache_salt
+        ))
+
+    def dump(self) -> dict[str, Any]:
+        """`AsyncIndexerClient.dump`, blocking."""
+        return self._run(self._async.dump())
+
+    def peers(self) -> list[str]:
+        """`AsyncIndexerClient.peers`, blocking."""
+        return self._run(self._async.peers())
+
+    def register_peer(self, url: str) -> None:
+        """`AsyncIndexerClient.register_peer`, blocking."""
+        self._run(self._async.register_peer(url))
+
+    def deregister_peer(self, url: str) -> None:
+        """`AsyncIndexerClient.deregister_peer`, blocking."""
+        self._run(self._async.deregister_peer(url))
+
 
 __all__ = [
+    "DEFAULT_TENANT",
+    "DEFAULT_TIMEOUT_SECS",
     "AsyncIndexerClient",
-    "ClientCredentials",
     "AsyncSlotTrackerClient",
+    "ClientCredentials",
     "IndexerClient",
     "OverlapScores",
     "PotentialLoad",
     "RankLoad",
     "ServiceCallError",
+    "ServiceConnectError",
+    "ServiceStatusError",
+    "ServiceTimeoutError",
+    "ServiceTransportError",
     "SlotTrackerClient",
     "WorkerInfo",
 ]

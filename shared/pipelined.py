@@ -8,9 +8,10 @@ one `transport.write` of a prebuilt request, llhttp (httptools) parsing the answ
 future: tens of microseconds.
 
 `PipelinedTransport.call` keeps `_Transport.call`'s contract (`dynamo_lite.client`): the decoded
-JSON answer (None for an empty body), `ServiceCallError` with the status and the service's
-`{"error": ...}` message for a status >= 400, and status 0 for no answer at all (refused,
-reset, timed out). Plain `http://` only; use the httpx transport for anything else.
+JSON answer (None for an empty body), `ServiceStatusError` with the status and the service's
+`{"error": ...}` message for a status >= 400, and a `ServiceTransportError` (status 0) for no
+answer at all: `ServiceConnectError` (refused), `ServiceTimeoutError`, or the connection reset.
+Plain `http://` only; use the httpx transport for anything else.
 
 Calls spread over up to `connections` connections, each carrying several pipelined requests;
 a connection is opened when needed and reopened after it is lost. A call that was written to a
@@ -31,9 +32,10 @@ from urllib.parse import urlencode, urlsplit
 import httptools
 import orjson
 
-from .client import ServiceCallError
+from .client import ServiceConnectError, ServiceStatusError, ServiceTimeoutError, ServiceTransportError
 
 _JSON_HEADERS = b"content-type: application/json\r\n"
+TIMED_OUT = "timed out"  # the reason a call failed with ServiceTimeoutError
 
 
 class _Pending:
@@ -113,7 +115,7 @@ class _Connection(asyncio.Protocol):
 
     def timed_out(self, call: _Pending) -> None:
         if not call.future.done():
-            self._fail(call, "timed out")
+            self._fail(call, TIMED_OUT)
             self.close()  # the answers behind it can no longer be matched
 
     def close(self) -> None:
@@ -124,7 +126,8 @@ class _Connection(asyncio.Protocol):
         if call.timer is not None:
             call.timer.cancel()
         if not call.future.done():
-            call.future.set_exception(ServiceCallError(0, why, method=call.method, path=call.path))
+            kind = ServiceTimeoutError if why == TIMED_OUT else ServiceTransportError
+            call.future.set_exception(kind(why, method=call.method, path=call.path))
 
     def _fail_all(self, why: str) -> None:
         pending, self.pending = self.pending, deque()
@@ -171,7 +174,7 @@ class PipelinedTransport:
                 message = orjson.loads(answer)["error"]
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 message = answer.decode("utf-8", "replace") or str(status)
-            raise ServiceCallError(status, message, method=method, path=path)
+            raise ServiceStatusError(status, message, method=method, path=path)
         return orjson.loads(answer) if answer else None
 
     async def aclose(self) -> None:
@@ -201,7 +204,7 @@ class PipelinedTransport:
         and every open one is busy. One connection opens at a time: calls that arrive meanwhile
         wait for it (or take a busy one) rather than opening one each."""
         if self._closed:
-            call.future.set_exception(ServiceCallError(0, "the client is closed", method=call.method, path=call.path))
+            call.future.set_exception(ServiceTransportError("the client is closed", method=call.method, path=call.path))
             return None
         best = min(self._connections, key=lambda c: len(c.pending), default=None)
         if best is not None and (not best.pending or len(self._connections) >= self.max_connections
@@ -216,8 +219,8 @@ class PipelinedTransport:
             if best is not None:
                 return best
             if not call.future.done():
-                call.future.set_exception(ServiceCallError(
-                    0, f"cannot connect to {self.host}:{self.port}: {type(exc).__name__}: {exc}",
+                call.future.set_exception(ServiceConnectError(
+                    f"cannot connect to {self.host}:{self.port}: {type(exc).__name__}: {exc}",
                     method=call.method, path=call.path))
             return None
 

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import socket
 
 import httpx
 import pytest
 
 from dynamo_lite.client import (
+    AsyncIndexerClient,
     AsyncSlotTrackerClient,
+    IndexerClient,
     PotentialLoad,
     RankLoad,
     ServiceCallError,
+    ServiceConnectError,
+    ServiceStatusError,
+    ServiceTimeoutError,
+    ServiceTransportError,
     SlotTrackerClient,
     WorkerInfo,
 )
@@ -52,9 +60,27 @@ def test_async_slot_tracker_client_round_trip() -> None:
 
 
 def test_transport_failures_are_service_call_errors() -> None:
-    with SlotTrackerClient("http://127.0.0.1:9", timeout=0.5) as client, pytest.raises(ServiceCallError) as failure:
+    with SlotTrackerClient("http://127.0.0.1:9", timeout=0.5) as client, pytest.raises(ServiceConnectError) as failure:
         client.loads()
     assert failure.value.status == 0
+    assert isinstance(failure.value, ServiceTransportError) and isinstance(failure.value, ServiceCallError)
+
+
+def test_an_answer_that_never_comes_is_a_timeout() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (the backlog), never answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with SlotTrackerClient(url, timeout=0.3) as client, pytest.raises(ServiceTimeoutError) as failure:
+            client.loads()
+    assert failure.value.status == 0 and failure.value.path == "/loads"
+
+
+def test_error_answers_are_status_errors() -> None:
+    with SlotTrackerClient(base_url="http://tracker") as client:
+        client._async._transport._client = httpx.AsyncClient(  # the app in process, no server
+            transport=httpx.ASGITransport(app=create_slot_tracker()), base_url="http://tracker")
+        with pytest.raises(ServiceStatusError) as failure:
+            client.unregister(7, "m")
+    assert failure.value.status == 404 and not isinstance(failure.value, ServiceTransportError)
 
 
 def test_async_indexer_client_round_trip() -> None:
@@ -93,3 +119,19 @@ def test_async_indexer_client_round_trip() -> None:
             assert failure.value.status == 404
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("sync_class", "async_class"), [(SlotTrackerClient, AsyncSlotTrackerClient),
+                                                         (IndexerClient, AsyncIndexerClient)])
+def test_the_sync_clients_have_the_async_clients_methods_and_signatures(sync_class: type, async_class: type) -> None:
+    """The sync clients are written out (typed for IDEs and mypy): each public coroutine method of
+    the async client has a sync twin with the same parameters, defaults and return type."""
+    def methods(cls: type, coroutines: bool) -> dict[str, inspect.Signature]:
+        return {name: inspect.signature(function) for name, function in inspect.getmembers(cls, inspect.isfunction)
+                if not name.startswith("_") and inspect.iscoroutinefunction(function) == coroutines}
+
+    wanted = {name: signature for name, signature in methods(async_class, True).items() if name != "aclose"}
+    got = methods(sync_class, False)
+    assert set(wanted) <= set(got), set(wanted) - set(got)
+    for name, signature in wanted.items():
+        assert str(got[name]) == str(signature), name

@@ -21,7 +21,8 @@ from dynamo_lite.client import AsyncSlotTrackerClient
 from dynamo_lite.errors import Conflict, InvalidArgument, NotFound, ServiceError
 from dynamo_lite.slot_tracker import snapshot
 from dynamo_lite.slot_tracker.app import SlotTrackerConfig, create_app
-from dynamo_lite.slot_tracker.core import SlotTracker, SlotTrackerDump
+from dynamo_lite.slot_tracker.core import SlotTracker
+from dynamo_lite.slot_tracker.protocols import SlotTrackerDump
 from dynamo_lite.snapshots import SnapshotError
 
 TTL = 100  # of the examples

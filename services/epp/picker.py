@@ -38,7 +38,7 @@ from typing import Any
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
 from dynamo_lite.routing import RankCost, RouterConfig, choose, score_ranks
-from dynamo_lite.slot_tracker.core import PotentialLoad
+from dynamo_lite.slot_tracker.protocols import PotentialLoad
 
 from .booking import Booking, BookingTarget, InFlight
 from .metrics import EppMetrics

@@ -59,7 +59,7 @@ from nats.aio.msg import Msg
 from dynamo_lite.errors import PayloadTooLarge
 from dynamo_lite.nats_connection import ConnectionCounts, NatsSecurity, connect
 
-from .core import SlotTrackerDump
+from .protocols import SlotTrackerDump
 from .replication import (
     Batch,
     Gap,

@@ -65,7 +65,8 @@ import msgspec
 
 from dynamo_lite.errors import ServiceError
 
-from .core import Partition, SlotTracker, SlotTrackerDump
+from .core import Partition, SlotTracker
+from .protocols import SlotTrackerDump
 
 
 class Tag(msgspec.Struct, array_like=True, frozen=True, gc=False):

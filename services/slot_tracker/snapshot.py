@@ -30,7 +30,8 @@ from dynamo_lite.errors import ServiceError
 from dynamo_lite.peers import recover as recover_from_peers
 from dynamo_lite.snapshots import SnapshotError, Snapshots, read_file
 
-from .core import RestoreReport, SlotTracker, SlotTrackerDump
+from .core import RestoreReport, SlotTracker
+from .protocols import SlotTrackerDump
 
 EMPTY = "no workers and no requests"
 # Requests encoded per piece: 256 requests of 256 hashes take about 1.5 ms, below the 5 ms after
