@@ -137,8 +137,12 @@ def public_entries(module: ModuleType) -> list[Entry]:
                 if name in exported:
                     obj = getattr(module, name)
                     kind = "class" if isinstance(obj, type) else "function" if callable(obj) else "constant"
-                    doc = own_doc(obj) if kind != "constant" else None
-                    reexports.append(Entry(name, obj, kind, doc or bullet_doc(module, name), obj.__module__))
+                    if kind == "constant":  # an int has no __module__: the import says where it is defined
+                        source = importlib.import_module("." * node.level + (node.module or ""), module.__package__)
+                        defined = {entry.name: entry for entry in public_entries(source)}[alias.name]
+                        reexports.append(Entry(name, obj, kind, defined.doc, source.__name__))
+                        continue
+                    reexports.append(Entry(name, obj, kind, own_doc(obj) or bullet_doc(module, name), obj.__module__))
     entries += reexports
     missing = exported - {entry.name for entry in entries}
     if missing:

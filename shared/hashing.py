@@ -23,16 +23,7 @@ from typing import Final
 
 from xxhash import xxh3_64_intdigest
 
-U64_MASK: Final = 2**64 - 1
-"""64 one bits: `value & U64_MASK` is the u64 with the low 64 bits of `value`."""
-I64_MIN: Final = -(2**63)
-"""Smallest i64, the lowest hash value the signed wire form (`/query_by_hash`, slot tracker) takes."""
-I64_MAX: Final = 2**63 - 1
-"""Largest i64: u64 hashes above it are negative in the signed wire form."""
-U64_MAX: Final = U64_MASK
-"""Largest u64, the highest hash value KV events and dumps carry."""
-U64_MODULUS: Final = 2**64
-"""2**64: a negative i64 plus this is the u64 with the same bits."""
+from .integers import I64_MAX, I64_MIN, U64_MASK, U64_MAX, U64_MODULUS
 
 LOCAL_HASH_SEED: Final = 1337
 """Seed of local block hashes without LoRA adapter or cache salt (Dynamo's `XXH3_SEED`)."""
@@ -155,7 +146,7 @@ def to_signed(value: int) -> int:
     """The i64 with the same 64 bits as `value` (a u64, or an i64 already)."""
     if not I64_MIN <= value <= U64_MAX:
         raise ValueError(f"{value} is outside the u64 and i64 ranges")
-    return value - 2**64 if value > I64_MAX else value
+    return value - U64_MODULUS if value > I64_MAX else value
 
 
 def to_unsigned(value: int) -> int:
@@ -169,7 +160,7 @@ def to_signed_list(values: Sequence[int]) -> list[int]:
     """`to_signed` over a list; values must already be known to lie in the u64/i64 range."""
     if not values or max(values) <= I64_MAX:
         return list(values)
-    return [value - 2**64 if value > I64_MAX else value for value in values]
+    return [value - U64_MODULUS if value > I64_MAX else value for value in values]
 
 
 def to_unsigned_list(values: Sequence[int]) -> list[int]:
@@ -179,3 +170,23 @@ def to_unsigned_list(values: Sequence[int]) -> list[int]:
     # `% 2**64` gives the same bits as `& U64_MASK` a third faster: CPython's bitwise `&` on a
     # negative int builds two's-complement copies first.
     return [value % U64_MODULUS for value in values]
+
+
+__all__ = [
+    # The hash ranges, from `dynamo_lite.integers`: what the conversions below convert between.
+    "U64_MASK",
+    "I64_MIN",
+    "I64_MAX",
+    "U64_MAX",
+    "U64_MODULUS",
+    "LOCAL_HASH_SEED",
+    "SEQUENCE_HASH_SEED",
+    "block_hash_seed",
+    "local_block_hashes",
+    "local_block_hashes_with_media",
+    "sequence_hashes",
+    "to_signed",
+    "to_unsigned",
+    "to_signed_list",
+    "to_unsigned_list",
+]

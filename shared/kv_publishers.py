@@ -54,6 +54,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from .integers import U64_MASK
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """Seq frame of the replay end marker (both engines' `ZmqEventPublisher.END_SEQ`)."""
 
@@ -72,7 +74,7 @@ def int_block_hash(block_hash: BlockHash) -> int:
     """The int vLLM publishes for a digest when int hashes are on (`maybe_convert_block_hash`):
     the low 64 bits of the big-endian digest. Ints are returned unchanged."""
     if isinstance(block_hash, bytes):
-        return int.from_bytes(block_hash, "big") & (2**64 - 1)
+        return int.from_bytes(block_hash, "big") & U64_MASK
     return block_hash
 
 

@@ -15,11 +15,7 @@ import msgspec
 import orjson
 
 from .errors import InvalidArgument, InvalidShape, MalformedRequest
-
-U32_MAX: Final = 2**32 - 1
-U64_MAX: Final = 2**64 - 1
-I64_MIN: Final = -(2**63)
-I64_MAX: Final = 2**63 - 1
+from .integers import I64_MAX, I64_MIN, U32_MAX, U64_MAX
 
 _MISSING: Final = object()
 

@@ -44,7 +44,8 @@ from typing import Any, Union
 import msgpack
 import zmq
 
-from dynamo_lite.hashing import U64_MASK, local_block_hashes, sequence_hashes, to_signed
+from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
+from dynamo_lite.integers import U64_MASK
 
 MEDIUM_TIER: dict[str | None, str] = {None: "device", "GPU": "device", "CPU": "host_pinned", "DISK": "disk"}
 

@@ -21,12 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from dynamo_lite.hashing import U64_MODULUS, to_signed
+from dynamo_lite.hashing import to_signed
 from dynamo_lite.indexer import tree as tree_module
 from dynamo_lite.indexer.answers import query_answer, tiered_answer
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer, QueryResult
 from dynamo_lite.indexer.tree import Chain, MatchResult, Node, PrefixTree, Run, StoreStatus
+from dynamo_lite.integers import U64_MODULUS
 
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0), (4, 2)]
 _rng = random.Random(99)

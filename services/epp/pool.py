@@ -49,11 +49,10 @@ import orjson
 import yaml
 
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError
+from dynamo_lite.integers import U32_MAX, U64_MODULUS
 
 log = logging.getLogger(__name__)
 
-U32_LIMIT = 2**32 - 1
-U64_LIMIT = 2**64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_TENANT = "default"
 DEFAULT_CONCURRENCY = 16
@@ -196,11 +195,11 @@ class PoolEndpoint:
         except ValueError as exc:
             raise _FieldError("address", str(exc)) from None
         object.__setattr__(self, "address", address)
-        _int_field("worker_id", self.worker_id, 0, U64_LIMIT, "in 0..2^64-1")
+        _int_field("worker_id", self.worker_id, 0, U64_MODULUS, "in 0..2^64-1")
         # The slot tracker wants dp_start + dp_size <= 2^32 - 1.
-        _int_field("dp_rank", self.dp_rank, 0, U32_LIMIT, "in 0..2^32-2")
+        _int_field("dp_rank", self.dp_rank, 0, U32_MAX, "in 0..2^32-2")
         _string_field("model", self.model)
-        _int_field("block_size", self.block_size, 1, U32_LIMIT + 1, "> 0")
+        _int_field("block_size", self.block_size, 1, U32_MAX + 1, "> 0")
         for name in ("kv_events_endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value is not None:
@@ -211,7 +210,7 @@ class PoolEndpoint:
                     raise _FieldError(name, str(exc)) from None
         if self.replay_endpoint is not None and self.kv_events_endpoint is None:
             raise _FieldError("replay_endpoint", "needs a kv_events_endpoint (replay serves missed KV events)")
-        _int_field("max_num_batched_tokens", self.max_num_batched_tokens, 1, U64_LIMIT, "> 0")
+        _int_field("max_num_batched_tokens", self.max_num_batched_tokens, 1, U64_MODULUS, "> 0")
         _string_field("tenant_id", self.tenant_id)
         if ":" in self.tenant_id:
             raise _FieldError("tenant_id", f"must not contain ':' (the indexer refuses it), got {self.tenant_id!r}")

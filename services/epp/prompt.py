@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import orjson
 
+from dynamo_lite.integers import U32_MAX
 from dynamo_lite.tokenizer import Tokenizer, TokenizerError
 
 from .protocol import PickError
@@ -72,7 +73,7 @@ def _ids_in_body(data: dict[str, Any]) -> list[int] | None:
         if isinstance(candidate, list) and len(candidate) == 1 and isinstance(candidate[0], list):
             candidate = candidate[0]
     if isinstance(candidate, list) and candidate and all(
-            isinstance(token, int) and not isinstance(token, bool) and 0 <= token < 2**32 for token in candidate):
+            isinstance(token, int) and not isinstance(token, bool) and 0 <= token <= U32_MAX for token in candidate):
         return list(candidate)
     return None
 

@@ -20,6 +20,7 @@ from dynamo_lite.cli import (
     service_parser,
 )
 from dynamo_lite.errors import InvalidArgument
+from dynamo_lite.integers import U32_MAX, U64_MAX
 from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_APPROX_MAX_BLOCKS, DEFAULT_APPROX_TTL_SECS, IndexerConfig, create_app
@@ -62,7 +63,7 @@ def parse_workers(text: str, *, model_name: str, tenant_id: str, block_size: int
             dp_rank = int(rank) if colon else 0
         except ValueError:
             raise ValueError(f"--workers entry {entry!r}: the instance id and dp rank must be integers") from None
-        if not 0 <= worker_id < 2**64 or not 0 <= dp_rank < 2**32:
+        if not 0 <= worker_id <= U64_MAX or not 0 <= dp_rank <= U32_MAX:
             raise ValueError(f"--workers entry {entry!r}: instance id must be a u64 and dp rank a u32")
         if (worker_id, dp_rank) in seen:
             raise ValueError(f"--workers entry {entry!r}: instance {worker_id} dp_rank {dp_rank} is listed twice")

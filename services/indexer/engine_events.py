@@ -42,11 +42,8 @@ from typing import Any, Final, Union, cast
 
 import msgspec
 
-from dynamo_lite.hashing import (
-    U64_MASK,
-    local_block_hashes,
-    local_block_hashes_with_media,
-)
+from dynamo_lite.hashing import local_block_hashes, local_block_hashes_with_media
+from dynamo_lite.integers import I64_MIN, U64_MASK
 
 from .protocols import CLEARED, EventData, Removed, RouterEvent, StorageTier, Stored
 
@@ -294,7 +291,7 @@ def _hashes(values: list[Hash]) -> list[int]:
 def _hash(value: Hash) -> int:
     if isinstance(value, bytes):
         return int.from_bytes(value, "big") & U64_MASK
-    if not -(2**63) <= value <= U64_MASK:
+    if not I64_MIN <= value <= U64_MASK:
         raise ValueError(f"block hash {value} is outside the i64 and u64 ranges")
     return value & U64_MASK
 

@@ -48,10 +48,9 @@ import orjson
 from msgspec import UNSET, UnsetType
 
 from dynamo_lite.errors import InvalidShape
-from dynamo_lite.hashing import I64_MIN, U64_MAX, to_unsigned, to_unsigned_list
+from dynamo_lite.hashing import to_unsigned, to_unsigned_list
+from dynamo_lite.integers import I64_MIN, U32_MAX, U64_MAX
 from dynamo_lite.validation import decode_json, describe
-
-U32_MAX: Final = 2**32 - 1
 
 StorageTier = Literal["device", "host_pinned", "disk", "external"]
 DEVICE: Final = "device"

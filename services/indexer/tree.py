@@ -120,7 +120,7 @@ from typing import Any, Union
 
 import msgspec
 
-from dynamo_lite.hashing import U64_MODULUS, to_unsigned_list
+from dynamo_lite.hashing import to_unsigned_list
 from dynamo_lite.indexer.protocols import (
     DEVICE,
     LOWER_TIERS,
@@ -128,6 +128,7 @@ from dynamo_lite.indexer.protocols import (
     StorageTier,
     Stored,
 )
+from dynamo_lite.integers import I64_MAX, U64_MODULUS
 
 WorkerKey = tuple[int, int]  # (worker_id, dp_rank)
 TransitionKey = tuple[int | None, int]  # (parent external hash | None, local hash)
@@ -199,7 +200,6 @@ class Chain(msgspec.Struct, gc=False, eq=False):
 
 # Queries make runs of at least this many nodes (shorter stretches are walked node by node).
 MIN_RUN = 8
-_I64_LIMIT = 2**63
 
 Stop = tuple[int, int, "Node"]  # (slots that stop here, depth, last node they hold)
 
@@ -264,7 +264,7 @@ _local_of = attrgetter("local")
 
 
 def _signed_form(nodes: list[Node]) -> list[int]:
-    return [value - U64_MODULUS if value >= _I64_LIMIT else value for value in map(_local_of, nodes)]
+    return [value - U64_MODULUS if value > I64_MAX else value for value in map(_local_of, nodes)]
 
 
 def _cut(node: Node) -> None:

@@ -53,6 +53,7 @@ from typing import Any
 from sortedcontainers import SortedDict
 
 from dynamo_lite.errors import AlreadyRegistered, Conflict, InvalidArgument, NotFound, ServiceError
+from dynamo_lite.integers import U32_MAX
 
 from .protocols import (
     DUMP_VERSION,
@@ -66,7 +67,6 @@ from .protocols import (
 )
 
 MAX_DP_SIZE = 4096
-U32_LIMIT = 2**32 - 1
 DEFAULT_REQUEST_TTL_SECS = 300.0
 
 PartitionKey = tuple[str, str]
@@ -215,7 +215,7 @@ class SlotTracker:
             raise InvalidArgument("dp_size must be greater than 0")
         if dp_size > MAX_DP_SIZE:
             raise InvalidArgument(f"dp_size {dp_size} exceeds the maximum {MAX_DP_SIZE}")
-        if dp_start + dp_size > U32_LIMIT:
+        if dp_start + dp_size > U32_MAX:
             raise InvalidArgument(f"dp range overflows u32: start={dp_start} size={dp_size}")
         key = (model_name, tenant_id)
         partition = self.partitions.get(key)
