@@ -37,13 +37,16 @@ three times over, so the "1 replica" rows are what a fleet with a CPU per replic
    the single process (CPU 0), one replica (CPU 0), two replicas side by side (A on CPU 0, B on
    CPU 1), two wrk processes of c=32 each on CPU 1 at once, their req/s summed; and the two
    replicas again with both wrk processes free to run on either CPU (the scheduler shares the
-   2 CPUs among 2 servers and 2 load generators).
+   2 CPUs among 2 servers and 2 load generators). Last, the whole machine for Dynamo 1.6.1:
+   its indexer (default `--threads 4`), fed the same blocks over ZMQ and free to use both CPUs,
+   under the same two unpinned wrk processes (issue 26: what one 2-core machine serves).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import multiprocessing
@@ -181,6 +184,21 @@ class Processes:
 
     def replicas(self, stream: str, names_cpus: list[tuple[str, int]]) -> list[Indexer]:
         return [self.start(name, cpu, stream) for name, cpu in names_cpus]
+
+    def start_reference(self, name: str) -> Indexer | None:
+        """Dynamo 1.6.1's indexer with its default options (`--threads 4`), on no CPU in
+        particular: what it serves when it may use the whole machine. None when the reference
+        cannot be installed here (said in the notes)."""
+        python = reference_server.reference_python()
+        if python is None:
+            return None
+        port = reference_server.free_port()
+        url = self.stack.enter_context(reference_server.running_server(
+            # This process is pinned to the client CPU, and children inherit that: unpin it.
+            ["taskset", "-c", f"{SERVER_CPU},{CLIENT_CPU}", str(python), "-m", "dynamo.indexer", "--port", str(port)],
+            port, "/health", timeout=60, keep_log=True))
+        # Not in self.logs: it logs every registration at INFO, and its lines are not ours to flag.
+        return Indexer(name, str(url), url.process.pid, -1, None, url.log_path)
 
 
 class ForeignLoad:
@@ -782,12 +800,22 @@ def run_reads(report: Report, plan: Plan, procs: Processes, scratch: Path) -> No
         report.note(f"reads: replicas did not apply the fill (seq {last_seq}): {last}")
     progress(f"reads: indexed {fill.pairs:,} (block, worker) pairs ({len(events):,} events, {fill.requests_used:,} "
              f"trace requests) on the single indexer and through the stream in {time.monotonic() - started:.1f} s")
+    dynamo = procs.start_reference("dynamo")
+    if dynamo is None:
+        report.note(f"reads: no Dynamo 1.6.1 row: {reference_server.reference_unavailable_reason()}")
+    else:
+        context = zmq.Context()
+        feed = ReferenceFeed(context, dynamo.url, READ_MODEL, sorted({event.worker for event in events}))
+        feed.publish((event.worker, event.zmq_payload()) for event in events)
+        feed.sync()  # its sentinels are in Dynamo's index only: the query below does not touch them
+        feed.close(unregister=False)
+        context.term()
     body = query_body(READ_MODEL, query_locals(trace))
     query_file = scratch / "query_by_hash.json"
     query_file.write_bytes(body)
     answers = {s.name: _expect(httpx.post(s.url + "/query_by_hash", content=body, headers=JSON_HEADERS), 200).json()
-               for s in (single, a, b)}
-    if not (answers["single"]["scores"] == answers["A"]["scores"] == answers["B"]["scores"]):
+               for s in (single, a, b, *([dynamo] if dynamo else []))}
+    if not all(answer["scores"] == answers["single"]["scores"] for answer in answers.values()):
         report.note(f"reads: the query's scores differ: { {k: v['scores'] for k, v in answers.items()} }")
     report.meta["reads_pairs"] = fill.pairs
     report.meta["reads_scores"] = answers["A"]["scores"]
@@ -820,6 +848,11 @@ def run_reads(report: Report, plan: Plan, procs: Processes, scratch: Path) -> No
     configs = [("single (no --nats), CPU 0", [single], client_cpu), ("1 replica (A, CPU 0)", [a], client_cpu),
                ("2 replicas (A CPU 0 + B CPU 1)", [a, b], client_cpu),
                ("2 replicas, wrk on either CPU", [a, b], any_cpu)]
+    if dynamo is not None:
+        # The whole machine: Dynamo free to use both CPUs, as its services do, beside two wrk
+        # processes of c=32 (the load the two replicas get), also free to run anywhere.
+        twin = dataclasses.replace(dynamo, name="dynamo (2nd wrk)")
+        configs.append(("Dynamo 1.6.1 unpinned, wrk on either CPU", [dynamo, twin], any_cpu))
     for rep in range(1, plan.read_reps + 1):
         for label, servers, cpus in configs:
             urls = [s.url for s in servers]
