@@ -47,6 +47,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse
 from operator import attrgetter
 from typing import Literal
 
@@ -87,9 +88,13 @@ class Group:
 
     __slots__ = ("members", "size", "refs", "mask")
 
-    def __init__(self, members: set[int], refs: dict[int, int], mask: int) -> None:
+    def __init__(self, members: tuple[int, ...], refs: dict[int, int], mask: int) -> None:
+        # Distinct hashes, the same int objects as the keys of `holders` and `held`. A tuple, not
+        # a set: 8 bytes per hash where a set's table took 32-64 (a 128-hash set has 512
+        # slots of 16 bytes), and the set operations taking it as their argument cost about
+        # what they cost with a set (they hash each int again, but find the same objects).
         self.members = members
-        # len(members), read without touching the set: fragmented groups are mostly cache misses
+        # len(members), read without touching the tuple: fragmented groups are mostly cache misses
         self.size = len(members)
         self.refs = refs  # slot index -> active requests of that slot holding the group
         # The bits of the slots in `refs`: groups with the same holders have equal masks.
@@ -382,7 +387,8 @@ class SlotTracker:
                 else:
                     refs[index] = count + 1
         if new:
-            group = Group(new, {slot.index: 1}, slot.bit)
+            # A request sharing nothing has distinct hashes, all new: its tuple is the group's.
+            group = Group(hashes if len(new) == len(hashes) else tuple(new), {slot.index: 1}, slot.bit)
             # A plain loop: `holders.update(dict.fromkeys(new, group))` fills a second dict first.
             for block_hash in new:
                 holders[block_hash] = group
@@ -588,10 +594,11 @@ class SlotTracker:
 _WALK_STEPS = 8
 
 
-def _walk(holders: dict[int, Group], held: set[int]) -> Iterator[tuple[Group, set[int]]]:
+def _walk(holders: dict[int, Group], held: set[int]) -> Iterator[tuple[Group, set[int] | None]]:
     """The first groups meeting `held`, a set of held hashes, each with its members in `held`
-    (removed from `held` as they are yielded), for at most `_WALK_STEPS` groups; whatever is
-    left in `held` afterwards is for the caller's per-hash pass."""
+    (removed from `held` as they are yielded), or None if all of them are, for at most
+    `_WALK_STEPS` groups; whatever is left in `held` afterwards is for the caller's per-hash
+    pass."""
     for _ in range(_WALK_STEPS):
         if not held:
             return
@@ -599,9 +606,13 @@ def _walk(holders: dict[int, Group], held: set[int]) -> Iterator[tuple[Group, se
             break
         group = holders[block_hash]
         members = group.members
-        common = members if members <= held else members & held
-        held -= common
-        yield group, common
+        if held.issuperset(members):
+            held.difference_update(members)
+            yield group, None
+        else:
+            common = held.intersection(members)
+            held -= common
+            yield group, common
 
 
 def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], groups: list[Group]) -> None:
@@ -628,16 +639,18 @@ def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], gr
         if group is None:
             return
         members = group.members
-        if members <= rest:
-            rest -= members
+        # One pass over the members, which the tuple makes hash again: a check before the
+        # removal cost a second one.
+        before = len(rest)
+        rest.difference_update(members)
+        if before - len(rest) == len(members):
             groups.append(group)
             position += len(members)
             continue
         # A part of a group: where a chained prompt leaves the others (its last held group),
-        # or hashes that are no chain. Either way the walk ends here.
-        part = members & rest
-        rest -= part
-        groups.append(_split(holders, group, part))
+        # or hashes that are no chain. Either way the walk ends here. The groups covered so far
+        # hold none of its members, so its part in the request is its part in `rest` before.
+        groups.append(_split(holders, group, set(hashes).intersection(members)))
         return
 
 
@@ -645,7 +658,7 @@ def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> N
     """Appends to `groups` groups that exactly cover `known` (consumed), a set of held hashes,
     splitting each group that holds hashes outside `known` too."""
     for group, part in _walk(holders, known):
-        groups.append(group if part is group.members else _split(holders, group, part))
+        groups.append(group if part is None else _split(holders, group, part))
     if not known:
         return
     counts = Counter(map(holders.__getitem__, known))
@@ -669,11 +682,14 @@ def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> N
 
 
 def _split(holders: dict[int, Group], group: Group, part: set[int]) -> Group:
-    """Moves `part` out of `group` into a new group with the same holders; returns it."""
-    group.members -= part
-    group.size -= len(part)
-    piece = Group(part, group.refs.copy(), group.mask)
-    holders.update(dict.fromkeys(part, piece))
+    """Moves `part` out of `group` into a new group with the same holders; returns it. Two C
+    passes over the group's members, which keep its int objects (`part`'s may be a request's
+    equal copies)."""
+    members = group.members
+    group.members = tuple(filterfalse(part.__contains__, members))
+    group.size = len(group.members)
+    piece = Group(tuple(filter(part.__contains__, members)), group.refs.copy(), group.mask)
+    holders.update(dict.fromkeys(piece.members, piece))
     return piece
 
 
@@ -707,7 +723,7 @@ def _forget(partition: Partition, group: Group) -> None:
     holders = partition.holders
     for block_hash in group.members:
         del holders[block_hash]
-    partition.held -= group.members
+    partition.held.difference_update(group.members)
 
 
 def _held_counts(partition: Partition, held: set[int]) -> list[int]:
@@ -728,7 +744,7 @@ def _held_counts(partition: Partition, held: set[int]) -> list[int]:
             break
         group = holders[block_hash]
         before = len(held)
-        held -= group.members
+        held.difference_update(group.members)
         hits = before - len(held)
         entry = per_mask.get(group.mask)
         if entry is None:
