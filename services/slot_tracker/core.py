@@ -47,7 +47,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import filterfalse
+from itertools import chain, filterfalse
 from operator import attrgetter
 from typing import Literal
 
@@ -369,7 +369,13 @@ class SlotTracker:
         block_count = len(rest)
         holders = partition.holders
         groups: list[Group] = []
-        _follow(holders, hashes, rest, groups)
+        followed = _follow(holders, hashes, rest, groups)
+        if followed:
+            # The same hashes with the groups' int objects where the request follows them in
+            # their order (a prompt prefix): the decoder made new ones, 48 bytes each per request.
+            head = groups[0].members if len(groups) == 1 else tuple(chain.from_iterable(map(_MEMBERS, groups)))
+            if head == hashes[:followed]:
+                hashes = head + hashes[followed:]
         # What the groups along the request did not cover: mostly new hashes, whose probes miss
         # at the stored hash values without reading a key.
         new = rest.difference(partition.held)
@@ -615,9 +621,10 @@ def _walk(holders: dict[int, Group], held: set[int]) -> Iterator[tuple[Group, se
             yield group, common
 
 
-def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], groups: list[Group]) -> None:
+def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], groups: list[Group]) -> int:
     """Appends to `groups` the groups of `hashes` in request order, each cut to its part in
-    `rest` (the request's distinct hashes, consumed), for at most `_WALK_STEPS` groups.
+    `rest` (the request's distinct hashes, consumed), for at most `_WALK_STEPS` groups. Returns
+    the length of the request's head that the walk took them to hold, had they been runs of it.
 
     In a chained prompt a group is a run of consecutive hashes (the prefix it shares with other
     requests, then the rest that the same requests hold), so the hash after a group's part
@@ -631,13 +638,13 @@ def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], gr
     position, end = 0, len(hashes)
     for _ in range(_WALK_STEPS):
         if position >= end:
-            return
+            return position
         block_hash = hashes[position]
         if block_hash not in rest:
-            return
+            return position
         group = holders.get(block_hash)
         if group is None:
-            return
+            return position
         members = group.members
         # One pass over the members, which the tuple makes hash again: a check before the
         # removal cost a second one.
@@ -650,8 +657,10 @@ def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], gr
         # A part of a group: where a chained prompt leaves the others (its last held group),
         # or hashes that are no chain. Either way the walk ends here. The groups covered so far
         # hold none of its members, so its part in the request is its part in `rest` before.
-        groups.append(_split(holders, group, set(hashes).intersection(members)))
-        return
+        piece = _split(holders, group, set(hashes).intersection(members))
+        groups.append(piece)
+        return position + piece.size
+    return position
 
 
 def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> None:
@@ -769,5 +778,6 @@ def _held_counts(partition: Partition, held: set[int]) -> list[int]:
 
 
 _SIZE = attrgetter("size")
+_MEMBERS = attrgetter("members")
 _MASK = attrgetter("mask")
 _REFS = attrgetter("refs")
