@@ -24,8 +24,8 @@ Costs, where set operations over a request's or a query's hashes run in C:
 
 * `/add`: a dedupe of its hashes, then its groups in request order, one dict lookup and one set
   operation each (two for a chained prompt: the shared prefix, then its own hashes), then one
-  probe of `held` per hash those groups did not cover (`_follow`). A split costs the part moved
-  to the new group and a copy of the group's refs.
+  probe of `held` per hash those groups did not cover (`_follow`). A split costs two passes
+  over the group's members (both parts are new tuples) and a copy of the group's refs.
 * `/free` and expiry: Python steps per group of the request, and one `del` per hash that no
   request holds any more.
 * `/potential_loads`: one probe of `held` per distinct query hash, Python steps per group it hits
@@ -36,6 +36,11 @@ Costs, where set operations over a request's or a query's hashes run in C:
 None of these depends on how many requests are active. Hashes shared in scattered subsets
 rather than as prefixes split groups down to single hashes: the answers stay exact, but every
 operation then takes Python steps per hash, as it did before groups.
+
+Memory per distinct held hash: its int object (48 B for a 64-bit value), a `holders` entry, a
+`held` entry and 8 B in its group's member tuple (none when the group is the tuple of the
+request that brought its hashes); per (request, hash) 8 B of the request's tuple, whose int
+objects are the groups' where it follows them (a shared prefix). Measured in docs/slot-tracker.md.
 
 `dump()` (`/dump`, snapshots) takes O(workers + requests), sharing the requests' hash tuples;
 `restore()` replays the dumped requests' `/add`s in their order, so it costs what they did.
