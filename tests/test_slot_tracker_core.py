@@ -501,7 +501,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             hashes = self.model.active[request_id][2]
             assert request.output_blocks == self.model.active[request_id][5]
             assert request.block_count == len(hashes)
-            assert all(group.members <= hashes for group in request.groups)
+            assert all(hashes.issuperset(group.members) for group in request.groups)
 
     def teardown(self) -> None:
         core._WALK_STEPS = getattr(self, "saved_walk_steps", core._WALK_STEPS)

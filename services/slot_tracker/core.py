@@ -24,8 +24,8 @@ Costs, where set operations over a request's or a query's hashes run in C:
 
 * `/add`: a dedupe of its hashes, then its groups in request order, one dict lookup and one set
   operation each (two for a chained prompt: the shared prefix, then its own hashes), then one
-  probe of `held` per hash those groups did not cover (`_follow`). A split costs the part moved
-  to the new group and a copy of the group's refs.
+  probe of `held` per hash those groups did not cover (`_follow`). A split costs two passes
+  over the group's members (both parts are new tuples) and a copy of the group's refs.
 * `/free` and expiry: Python steps per group of the request, and one `del` per hash that no
   request holds any more.
 * `/potential_loads`: one probe of `held` per distinct query hash, Python steps per group it hits
@@ -37,6 +37,11 @@ None of these depends on how many requests are active. Hashes shared in scattere
 rather than as prefixes split groups down to single hashes: the answers stay exact, but every
 operation then takes Python steps per hash, as it did before groups.
 
+Memory per distinct held hash: its int object (48 B for a 64-bit value), a `holders` entry, a
+`held` entry and 8 B in its group's member tuple (none when the group is the tuple of the
+request that brought its hashes); per (request, hash) 8 B of the request's tuple, whose int
+objects are the groups' where it follows them (a shared prefix). Measured in docs/slot-tracker.md.
+
 `dump()` (`/dump`, snapshots) takes O(workers + requests), sharing the requests' hash tuples;
 `restore()` replays the dumped requests' `/add`s in their order, so it costs what they did.
 """
@@ -47,6 +52,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, filterfalse
 from operator import attrgetter
 from typing import Any
 
@@ -96,9 +102,13 @@ class Group:
 
     __slots__ = ("members", "size", "refs", "mask")
 
-    def __init__(self, members: set[int], refs: dict[int, int], mask: int) -> None:
+    def __init__(self, members: tuple[int, ...], refs: dict[int, int], mask: int) -> None:
+        # Distinct hashes, the same int objects as the keys of `holders` and `held`. A tuple, not
+        # a set: 8 bytes per hash where a set's table took 32-64 (a 128-hash set has 512
+        # slots of 16 bytes), and the set operations taking it as their argument cost about
+        # what they cost with a set (they hash each int again, but find the same objects).
         self.members = members
-        # len(members), read without touching the set: fragmented groups are mostly cache misses
+        # len(members), read without touching the tuple: fragmented groups are mostly cache misses
         self.size = len(members)
         self.refs = refs  # slot index -> active requests of that slot holding the group
         # The bits of the slots in `refs`: groups with the same holders have equal masks.
@@ -300,7 +310,13 @@ class SlotTracker:
         block_count = len(rest)
         holders = partition.holders
         groups: list[Group] = []
-        _follow(holders, hashes, rest, groups)
+        followed = _follow(holders, hashes, rest, groups)
+        if followed:
+            # The same hashes with the groups' int objects where the request follows them in
+            # their order (a prompt prefix): the decoder made new ones, 48 bytes each per request.
+            head = groups[0].members if len(groups) == 1 else tuple(chain.from_iterable(map(_MEMBERS, groups)))
+            if head == hashes[:followed]:
+                hashes = head + hashes[followed:]
         # What the groups along the request did not cover: mostly new hashes, whose probes miss
         # at the stored hash values without reading a key.
         new = rest.difference(partition.held)
@@ -318,7 +334,8 @@ class SlotTracker:
                 else:
                     refs[index] = count + 1
         if new:
-            group = Group(new, {slot.index: 1}, slot.bit)
+            # A request sharing nothing has distinct hashes, all new: its tuple is the group's.
+            group = Group(hashes if len(new) == len(hashes) else tuple(new), {slot.index: 1}, slot.bit)
             # A plain loop: `holders.update(dict.fromkeys(new, group))` fills a second dict first.
             for block_hash in new:
                 holders[block_hash] = group
@@ -524,23 +541,29 @@ class SlotTracker:
 _WALK_STEPS = 8
 
 
-def _walk(holders: dict[int, Group], held: set[int]) -> Iterator[tuple[Group, set[int]]]:
+def _walk(holders: dict[int, Group], held: set[int]) -> Iterator[tuple[Group, set[int] | None]]:
     """The first groups meeting `held`, a set of held hashes, each with its members in `held`
-    (removed from `held` as they are yielded), for at most `_WALK_STEPS` groups; whatever is
-    left in `held` afterwards is for the caller's per-hash pass."""
+    (removed from `held` as they are yielded), or None if all of them are, for at most
+    `_WALK_STEPS` groups; whatever is left in `held` afterwards is for the caller's per-hash
+    pass."""
     for _ in range(_WALK_STEPS):
         if not held:
             return
         group = holders[next(iter(held))]
         members = group.members
-        common = members if members <= held else members & held
-        held -= common
-        yield group, common
+        if held.issuperset(members):
+            held.difference_update(members)
+            yield group, None
+        else:
+            common = held.intersection(members)
+            held -= common
+            yield group, common
 
 
-def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], groups: list[Group]) -> None:
+def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], groups: list[Group]) -> int:
     """Appends to `groups` the groups of `hashes` in request order, each cut to its part in
-    `rest` (the request's distinct hashes, consumed), for at most `_WALK_STEPS` groups.
+    `rest` (the request's distinct hashes, consumed), for at most `_WALK_STEPS` groups. Returns
+    the length of the request's head that the walk took them to hold, had they been runs of it.
 
     In a chained prompt a group is a run of consecutive hashes (the prefix it shares with other
     requests, then the rest that the same requests hold), so the hash after a group's part
@@ -554,32 +577,36 @@ def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], gr
     position, end = 0, len(hashes)
     for _ in range(_WALK_STEPS):
         if position >= end:
-            return
+            return position
         block_hash = hashes[position]
         if block_hash not in rest:
-            return
+            return position
         group = holders.get(block_hash)
         if group is None:
-            return
+            return position
         members = group.members
-        if members <= rest:
-            rest -= members
+        # One pass over the members, which the tuple makes hash again: a check before the
+        # removal cost a second one.
+        before = len(rest)
+        rest.difference_update(members)
+        if before - len(rest) == len(members):
             groups.append(group)
             position += len(members)
             continue
         # A part of a group: where a chained prompt leaves the others (its last held group),
-        # or hashes that are no chain. Either way the walk ends here.
-        part = members & rest
-        rest -= part
-        groups.append(_split(holders, group, part))
-        return
+        # or hashes that are no chain. Either way the walk ends here. The groups covered so far
+        # hold none of its members, so its part in the request is its part in `rest` before.
+        piece = _split(holders, group, set(hashes).intersection(members))
+        groups.append(piece)
+        return position + piece.size
+    return position
 
 
 def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> None:
     """Appends to `groups` groups that exactly cover `known` (consumed), a set of held hashes,
     splitting each group that holds hashes outside `known` too."""
     for group, part in _walk(holders, known):
-        groups.append(group if part is group.members else _split(holders, group, part))
+        groups.append(group if part is None else _split(holders, group, part))
     if not known:
         return
     counts = Counter(map(holders.__getitem__, known))
@@ -603,11 +630,14 @@ def _cover(holders: dict[int, Group], known: set[int], groups: list[Group]) -> N
 
 
 def _split(holders: dict[int, Group], group: Group, part: set[int]) -> Group:
-    """Moves `part` out of `group` into a new group with the same holders; returns it."""
-    group.members -= part
-    group.size -= len(part)
-    piece = Group(part, group.refs.copy(), group.mask)
-    holders.update(dict.fromkeys(part, piece))
+    """Moves `part` out of `group` into a new group with the same holders; returns it. Two C
+    passes over the group's members, which keep its int objects (`part`'s may be a request's
+    equal copies)."""
+    members = group.members
+    group.members = tuple(filterfalse(part.__contains__, members))
+    group.size = len(group.members)
+    piece = Group(tuple(filter(part.__contains__, members)), group.refs.copy(), group.mask)
+    holders.update(dict.fromkeys(piece.members, piece))
     return piece
 
 
@@ -641,7 +671,7 @@ def _forget(partition: Partition, group: Group) -> None:
     holders = partition.holders
     for block_hash in group.members:
         del holders[block_hash]
-    partition.held -= group.members
+    partition.held.difference_update(group.members)
 
 
 def _held_counts(partition: Partition, held: set[int]) -> list[int]:
@@ -660,7 +690,7 @@ def _held_counts(partition: Partition, held: set[int]) -> list[int]:
             break
         group = holders[next(iter(held))]
         before = len(held)
-        held -= group.members
+        held.difference_update(group.members)
         hits = before - len(held)
         entry = per_mask.get(group.mask)
         if entry is None:
@@ -685,5 +715,6 @@ def _held_counts(partition: Partition, held: set[int]) -> list[int]:
 
 
 _SIZE = attrgetter("size")
+_MEMBERS = attrgetter("members")
 _MASK = attrgetter("mask")
 _REFS = attrgetter("refs")
