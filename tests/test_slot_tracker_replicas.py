@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.nats_sync import NatsReplication, NatsSettings
-from dynamo_lite.slot_tracker.replication import Replica
+from dynamo_lite.slot_tracker.replication import Batch, Message, Replica
 from nats_support import NatsServer
 from test_slot_tracker_restart import Booked, expected_loads  # the acknowledged writes, and their /loads
 from reference_server import ServerURL, free_port, running_service
@@ -386,13 +386,19 @@ def test_a_gap_its_origin_cannot_replay_is_healed_by_a_resync(nats_server: NatsS
             a.replica.add(MODEL, "default", "seen", 1, 0, [1], 4)
             await a.confirmed(201, None)
             await until(lambda: "seen" in requests_of(b))
-            receive = b.replica.receive
-            b.replica.receive = lambda message: None  # type: ignore[method-assign]  # b loses what comes now
+            dropped: list[Batch] = []
+
+            def lose(message: Message) -> bool:
+                if isinstance(message, Batch) and any(getattr(op, "request_id", "") == "lost" for op in message.ops):
+                    dropped.append(message)  # b loses the batch of "lost"
+                    a._log.clear()  # and a no longer has it to send again
+                    return True
+                return False
+
+            b.drop = lose
             a.replica.add(MODEL, "default", "lost", 1, 0, [2], 4)
             await a.confirmed(201, None)
-            await asyncio.sleep(0.2)
-            b.replica.receive = receive  # type: ignore[method-assign]
-            a._log.clear()  # and a no longer has it to send again
+            await until(lambda: bool(dropped))
             a.replica.add(MODEL, "default", "after", 1, 0, [3], 4)
             await a.confirmed(201, None)
             await until(lambda: requests_of(b) == requests_of(a) == {"seen", "lost", "after"})
