@@ -33,7 +33,7 @@ from test_slot_tracker_restart import Booked, expected_loads  # the acknowledged
 
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.nats_sync import NatsReplication, NatsSettings
-from dynamo_lite.slot_tracker.replication import Replica
+from dynamo_lite.slot_tracker.replication import Batch, Message, Replica
 
 MODEL = "m"
 WORKERS = [(1, "default", 2), (2, "default", 1), (9, "team-b", 2)]  # id, tenant, dp size
@@ -387,13 +387,19 @@ def test_a_gap_its_origin_cannot_replay_is_healed_by_a_resync(nats_server: NatsS
             a.replica.add(MODEL, "default", "seen", 1, 0, [1], 4)
             await a.confirmed(201, None)
             await until(lambda: "seen" in requests_of(b))
-            receive = b.replica.receive
-            b.replica.receive = lambda message: None  # type: ignore[method-assign]  # b loses what comes now
+            dropped: list[Batch] = []
+
+            def lose(message: Message) -> bool:
+                if isinstance(message, Batch) and any(getattr(op, "request_id", "") == "lost" for op in message.ops):
+                    dropped.append(message)  # b loses the batch of "lost"
+                    a._log.clear()  # and a no longer has it to send again
+                    return True
+                return False
+
+            b.drop = lose
             a.replica.add(MODEL, "default", "lost", 1, 0, [2], 4)
             await a.confirmed(201, None)
-            await asyncio.sleep(0.2)
-            b.replica.receive = receive  # type: ignore[method-assign]
-            a._log.clear()  # and a no longer has it to send again
+            await until(lambda: bool(dropped))
             a.replica.add(MODEL, "default", "after", 1, 0, [3], 4)
             await a.confirmed(201, None)
             await until(lambda: requests_of(b) == requests_of(a) == {"seen", "lost", "after"})

@@ -385,6 +385,24 @@ class SlotTracker:
         if request is not None:
             _release(partition, request)
 
+    # --- lookups (for replication: it places and replaces requests through the calls above) ---
+
+    def request(self, model_name: str, tenant_id: str, request_id: str) -> ActiveRequest | None:
+        """The request held under this id, if any. Read-only to callers."""
+        partition = self.partitions.get((model_name, tenant_id))
+        return partition.requests.get(request_id) if partition is not None else None
+
+    def worker(self, model_name: str, tenant_id: str, worker_id: int) -> Worker | None:
+        """The registered worker, if any. Read-only to callers."""
+        partition = self.partitions.get((model_name, tenant_id))
+        return partition.workers.get(worker_id) if partition is not None else None
+
+    def active_requests(self) -> Iterator[tuple[str, str, ActiveRequest]]:
+        """Every request held, as (model_name, tenant_id, request). Read-only to callers."""
+        for (model_name, tenant_id), partition in self.partitions.items():
+            for request in partition.requests.values():
+                yield model_name, tenant_id, request
+
     # --- loads ----------------------------------------------------------------------------
 
     def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[RankLoad]:

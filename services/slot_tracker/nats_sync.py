@@ -118,9 +118,13 @@ class SyncCounts:
 class NatsReplication:
     """Connects one `Replica` to the others through a NATS server (see the module docstring)."""
 
-    def __init__(self, replica: Replica, settings: NatsSettings) -> None:
+    def __init__(self, replica: Replica, settings: NatsSettings, *,
+                 drop: Callable[[Message], bool] | None = None) -> None:
+        """`drop`: a message it returns True for is dropped on arrival, as NATS core may drop
+        it (tests lose a chosen message with it)."""
         self.replica = replica
         self.settings = settings
+        self.drop = drop
         prefix = settings.subject_prefix
         self.ops_subject = f"{prefix}.ops"
         self.discover_subject = f"{prefix}.discover"
@@ -341,6 +345,8 @@ class NatsReplication:
                 self.counts.undecodable += 1
                 _log_limited("decode", logging.WARNING, "dropped a message on %s that is no batch: %s",
                              subject, exc)
+                return
+            if self.drop is not None and self.drop(message):
                 return
             if self._buffer is not None:
                 self._buffer.append(message)
