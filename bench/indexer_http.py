@@ -1,6 +1,7 @@
 """Indexer scenarios over HTTP: `POST /query_by_hash` against a tree built from the Mooncake
-trace (at ~10k and ~1M indexed (block, worker) pairs), memory per pair at ~1M, and the `/events`
-ingest rate.
+trace (at ~10k and ~1M indexed (block, worker) pairs) and the `/events` ingest rate. Memory is
+measured by bench/memory.py, with both sides fed the same paced stream: this fill posts to ours
+and bursts into the reference, whose RSS right after a burst holds the heap that buffered it.
 
 Ours gets each stored event as a RouterEvent through `POST /events`; the reference gets the
 same event as a vLLM msgpack batch from a ZMQ publisher per worker (bench/zmq_feed.py) and
@@ -36,7 +37,7 @@ from .index_data import (
     sentinel_event,
 )
 from .runner import CONNECTIONS, HEAVY_CONNECTIONS, Load, Results, measure_point, progress
-from .servers import Server, rss_bytes, running_servers
+from .servers import Server, running_servers
 from .slot_tracker_http import set_canned
 from .zmq_feed import Publisher
 
@@ -48,7 +49,7 @@ INGEST_VARIANTS = {"ours": (1, 16), "stub": (1, 16)}  # stored events per POST
 SYNC_TIMEOUT_S = 600.0
 JSON = {"Content-Type": "application/json"}
 
-SCENARIOS = ("query_by_hash", "scale_query_by_hash", "memory", "events")
+SCENARIOS = ("query_by_hash", "scale_query_by_hash", "events")
 
 
 class ReferenceFeed:
@@ -133,7 +134,6 @@ def run(results: Results, selected: Collection[str], ref_python: Path) -> None:
     with running_servers("indexer", ref_python) as servers, \
             tempfile.TemporaryDirectory(prefix="bench_indexer_") as scratch:
         ours, reference = servers["ours"], servers["reference"]
-        empty_rss = {role: rss_bytes(servers[role].pid) for role in ("ours", "reference")}
         worker_ids = list(range(1, WORKERS + 1))
         trace = load_trace()
         fill = TraceFill(trace)
@@ -158,14 +158,8 @@ def run(results: Results, selected: Collection[str], ref_python: Path) -> None:
             label = grow(settings.small_index_pairs)
             measure_point(results, "scale_query_by_hash", label, servers, ("ours", "reference"), (HEAVY_CONNECTIONS,),
                           settings.scaling_repetitions, lambda role, run_id: load)
-        if any(name in selected for name in ("query_by_hash", "scale_query_by_hash", "memory")):
+        if any(name in selected for name in ("query_by_hash", "scale_query_by_hash")):
             label = grow(settings.large_index_pairs)
-            for role in ("ours", "reference"):
-                rss = rss_bytes(servers[role].pid)
-                results.memory.append({"role": role, "pairs": fill.pairs, "rss_empty": empty_rss[role],
-                                       "rss_filled": rss, "bytes_per_pair": (rss - empty_rss[role]) / fill.pairs})
-                progress(f"memory {role}: {(rss - empty_rss[role]) / fill.pairs:,.0f} B per (block, worker) pair "
-                         f"(RSS {empty_rss[role] / 2**20:,.0f} -> {rss / 2**20:,.0f} MiB)")
             if "query_by_hash" in selected:
                 with httpx.Client(base_url=ours.url, timeout=30) as client:
                     set_canned(servers["stub"], "/query_by_hash",

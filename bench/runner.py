@@ -60,7 +60,6 @@ class Results:
     meta: dict[str, Any] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)
     ingest: list[dict[str, Any]] = field(default_factory=list)
-    memory: list[dict[str, Any]] = field(default_factory=list)  # the old one-shot index memory row
     index_memory: list[dict[str, Any]] = field(default_factory=list)  # bench/memory.py, per fill and role
     tracker_memory: list[dict[str, Any]] = field(default_factory=list)  # per role and active requests
     pauses: list[dict[str, Any]] = field(default_factory=list)  # query latency idle / while ingesting
@@ -79,7 +78,7 @@ class Results:
 
     def to_json(self) -> dict[str, Any]:
         return {"settings": self.settings.__dict__, "meta": self.meta, "runs": self.runs, "ingest": self.ingest,
-                "memory": self.memory, "index_memory": self.index_memory,
+                "index_memory": self.index_memory,
                 "tracker_memory": self.tracker_memory, "pauses": self.pauses, "profiles": self.profiles,
                 "cores": self.cores, "security": self.security, "notes": self.notes}
 

@@ -431,7 +431,8 @@ class EngineListener:
     def _commit(self, batch: DecodedBatch) -> None:
         sub = self.subscription
         report = self.indexer.apply_batch(sub.model_name, sub.tenant_id, batch.events)
-        self._count("rejected", report.rejected)
+        if report.rejected:
+            self._count("rejected", report.rejected)
         self._counted(batch, report.applied)
 
     def _counted(self, batch: DecodedBatch, events: int) -> None:
@@ -439,8 +440,12 @@ class EngineListener:
         if batch.dp_rank != sub.dp_rank:
             self._fed.add((sub.worker_id, batch.dp_rank))
         self.last_batch_at = time.time()
-        self._count("batches")
-        self._count("events", events)
+        # Every batch: plain increments rather than `_count`'s getattr and setattr by name.
+        counts, totals = self.counts, self.totals
+        counts.batches += 1
+        totals.batches += 1
+        counts.events += events
+        totals.events += events
         if batch.ignored:
             self.counts.ignored.update(batch.ignored)
             self.totals.ignored.update(batch.ignored)
