@@ -22,7 +22,7 @@ from dynamo_lite.indexer.protocols import (
     parse_events_document,
     split_partition_key,
 )
-from dynamo_lite.indexer.state import MAX_LISTED, Gap, Indexer, Rejection
+from dynamo_lite.indexer.core import MAX_LISTED, Gap, Indexer, Rejection
 from dynamo_lite.indexer.tree import Node, PrefixTree, StoreStatus
 
 # Local hashes of range(1, 65) in blocks of 16 (reference §6.3 / §9.2).

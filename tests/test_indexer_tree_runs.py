@@ -25,7 +25,7 @@ from dynamo_lite.hashing import U64_MODULUS, to_signed
 from dynamo_lite.indexer import tree as tree_module
 from dynamo_lite.indexer.answers import query_answer, tiered_answer
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer, QueryResult
+from dynamo_lite.indexer.core import Indexer, QueryResult
 from dynamo_lite.indexer.tree import Chain, MatchResult, Node, PrefixTree, Run, StoreStatus
 
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0), (4, 2)]

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from msgspec import UNSET, UnsetType
 
@@ -36,14 +36,14 @@ from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
 
 from . import replication
 from .answers import query_answer
+from .core import Indexer
 from .endpoints import EndpointRules
-from .jetstream import ReplicaCollector, StreamReplica, StreamSettings
+from .jetstream import StreamReplica, StreamSettings
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
-from .metrics import IndexerCollector, ListenerCollector
+from .metrics import IndexerCollector, ListenerCollector, ReplicationCollector
 from .peers import PeerList, recover
 from .snapshot import Snapshots
 from .protocols import PartitionEvents, decode_events_document
-from .state import Indexer
 
 logger = logging.getLogger("dynamo_lite.indexer")
 
@@ -146,6 +146,17 @@ class RoutedRequest(RequestBody):
         return cls(model_name, instance_id, block_hashes=block_hashes, dp_rank=dp_rank, tenant_id=tenant_id)
 
 
+class PostedEvents(NamedTuple):
+    """An `/events` body as posted (a replica publishes it as it is) and parsed."""
+
+    body: bytes
+    document: list[PartitionEvents]
+
+
+def read_events(body: bytes) -> PostedEvents:
+    return PostedEvents(body, decode_events_document(body))
+
+
 class IndexerRoutes:
     """One method per route; each returns (status, JSON-serialisable payload)."""
 
@@ -215,8 +226,8 @@ class IndexerRoutes:
                         rank.listener = listener.info()
         return 200, workers
 
-    def events(self, document: list[PartitionEvents]) -> Any:
-        return 200, self.indexer.apply_events(document)
+    def events(self, posted: PostedEvents) -> Any:
+        return 200, self.indexer.apply_events(posted.document)
 
     def query_by_hash(self, request: QueryByHashRequest) -> HandlerResult:
         return 200, query_answer(self.indexer.query(
@@ -280,10 +291,9 @@ class ReplicatedRoutes(IndexerRoutes):
             raise applied.error
         return status, OK
 
-    def events(self, document: tuple[bytes, list[PartitionEvents]]) -> Any:
-        body, parsed = document
-        self.indexer.check_events(parsed)
-        return self._accepted(replication.EVENTS, body)
+    def events(self, posted: PostedEvents) -> Any:
+        self.indexer.check_events(posted.document)
+        return self._accepted(replication.EVENTS, posted.body)
 
     def routed(self, request: RoutedRequest) -> Any:
         tenant_id = tenant_of(request.tenant_id, request.routing_group)
@@ -300,11 +310,6 @@ class ReplicatedRoutes(IndexerRoutes):
     async def _accepted(self, kind: str, data: bytes) -> HandlerResult:
         sequence = await self.replica.publish(kind, data)
         return 202, {"status": "accepted", "stream_sequence": sequence}
-
-
-def _read_events_for_stream(body: bytes) -> tuple[bytes, list[PartitionEvents]]:
-    """The document as posted (published as it is) and parsed (checked here first)."""
-    return body, decode_events_document(body)
 
 
 def _unregistration(body: Any) -> tuple[int, str, str, int | None]:
@@ -442,8 +447,7 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             http.post("/register", routes.register),
             http.post("/unregister", routes.unregister),
             http.get("/workers", routes.workers, parameters=_FILTERS),
-            http.post("/events", routes.events, max_body=LARGE_BODY,
-                      read=_read_events_for_stream if replica is not None else decode_events_document),
+            http.post("/events", routes.events, max_body=LARGE_BODY, read=read_events),
             http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest, access=Access.READ),
             http.post("/query", routes.query, request_type=QueryRequest, max_body=LARGE_BODY, access=Access.READ),
             http.post("/routed", routes.routed, request_type=RoutedRequest, max_body=LARGE_BODY),
@@ -455,7 +459,7 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
         ],
         lifespan=lifespan,
         collectors=[IndexerCollector(indexer), ListenerCollector(listeners)]
-        + ([ReplicaCollector(replica)] if replica is not None else []),
+        + ([ReplicationCollector(replica)] if replica is not None else []),
     )
     app.state.indexer = indexer
     app.state.peers = peer_list
