@@ -21,8 +21,8 @@ import orjson
 from dynamo_lite.cli import YOUNG_ONLY_GC_THRESHOLDS
 from dynamo_lite.hashing import to_signed
 from dynamo_lite.indexer.answers import query_answer
+from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer
 from dynamo_lite.indexer.tree import PrefixTree
 
 

@@ -21,9 +21,9 @@ from dynamo_lite.errors import Conflict, NotFound
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed, to_signed_list
 from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.app import IndexerConfig, create_app
+from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import decode_events_document, parse_events_document
 from dynamo_lite.indexer.snapshot import encode
-from dynamo_lite.indexer.state import Indexer
 
 TTL = 120.0
 WALL = 1_800_000_000.0  # the wall clock when the monotonic one reads 0

@@ -37,8 +37,8 @@ from dynamo_lite.errors import Conflict
 from dynamo_lite.hashing import to_signed_list
 from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.approx import shadow_of
+from dynamo_lite.indexer.core import ApplyReport, Indexer
 from dynamo_lite.indexer.protocols import LOWER_TIERS, parse_events_document
-from dynamo_lite.indexer.state import ApplyReport, Indexer
 from dynamo_lite.indexer.tree import StoreStatus
 
 MODEL, TENANT, BLOCK = "m", "default", 4

@@ -11,6 +11,7 @@ from dynamo_lite.errors import Conflict, InvalidArgument, InvalidShape, NotFound
 from dynamo_lite.hashing import local_block_hashes, to_signed, to_signed_list
 from dynamo_lite.indexer import answers
 from dynamo_lite.indexer.answers import query_answer
+from dynamo_lite.indexer.core import MAX_LISTED, Gap, Indexer, Rejection
 from dynamo_lite.indexer.protocols import (
     CLEARED,
     PartitionEvents,
@@ -22,7 +23,6 @@ from dynamo_lite.indexer.protocols import (
     parse_events_document,
     split_partition_key,
 )
-from dynamo_lite.indexer.state import MAX_LISTED, Gap, Indexer, Rejection
 from dynamo_lite.indexer.tree import Node, PrefixTree, StoreStatus
 
 # Local hashes of range(1, 65) in blocks of 16 (Dynamo 1.6.1's test vectors).

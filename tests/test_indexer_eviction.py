@@ -24,8 +24,8 @@ from starlette.testclient import TestClient
 
 from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.app import IndexerConfig, create_app
+from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer
 from dynamo_lite.indexer.tree import Node, PrefixTree, StoreStatus
 
 WORKERS = [(1, 0), (1, 1), (2, 0)]

@@ -9,8 +9,8 @@ from schema_support import documented_routes, load, served_routes
 
 from dynamo_lite.hashing import local_block_hashes
 from dynamo_lite.indexer.app import create_app
+from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer
 
 
 def seeded_app():

@@ -21,8 +21,8 @@ from starlette.testclient import TestClient
 
 from dynamo_lite.indexer import snapshot
 from dynamo_lite.indexer.app import IndexerConfig, create_app
+from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer
 
 COMMAND = [sys.executable, "-m", "dynamo_lite.indexer", "--host", "127.0.0.1"]
 

@@ -24,8 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from dynamo_lite.hashing import to_signed
 from dynamo_lite.indexer import tree as tree_module
 from dynamo_lite.indexer.answers import query_answer, tiered_answer
+from dynamo_lite.indexer.core import Indexer, QueryResult
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer, QueryResult
 from dynamo_lite.indexer.tree import Chain, MatchResult, Node, PrefixTree, Run, StoreStatus
 from dynamo_lite.integers import U64_MODULUS
 

@@ -24,8 +24,8 @@ from starlette.testclient import TestClient
 from dynamo_lite import cli, http
 from dynamo_lite.hashing import local_block_hashes
 from dynamo_lite.indexer.app import create_app as create_indexer_app
+from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer
 from dynamo_lite.logs import AccessLog, JsonFormatter, access_logger
 from dynamo_lite.slot_tracker.app import SlotTrackerConfig
 from dynamo_lite.slot_tracker.app import create_app as create_tracker_app

@@ -24,8 +24,8 @@ from reference_server import free_port, running_server, running_service
 
 from dynamo_lite.client import SlotTrackerClient
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes
+from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.indexer.state import Indexer
 from dynamo_lite.simulate.__main__ import build_parser, main
 from dynamo_lite.simulate.bound import fleet_lru_bound
 from dynamo_lite.simulate.calls import percentile

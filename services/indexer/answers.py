@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from .state import QueryResult
+from .core import QueryResult
 from .tree import WorkerKey
 
 # (instance_id, dp_rank) -> its JSON keys, str(instance_id) and str(dp_rank). A label depends

@@ -35,14 +35,14 @@ from . import replication
 from .answers import query_answer
 from .approx import DEFAULT_MAX_BLOCKS as DEFAULT_APPROX_MAX_BLOCKS
 from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
+from .core import Indexer
 from .endpoints import EndpointRules
-from .jetstream import ReplicaCollector, StreamReplica, StreamSettings
+from .jetstream import StreamReplica, StreamSettings
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
-from .metrics import IndexerCollector, ListenerCollector
+from .metrics import IndexerCollector, ListenerCollector, ReplicationCollector
 from .peers import PeerList, recover
 from .protocols import EventsDocument, read_events_document
 from .snapshot import Snapshots
-from .state import Indexer
 
 logger = logging.getLogger("dynamo_lite.indexer")
 
@@ -447,7 +447,7 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
         ],
         lifespan=lifespan,
         collectors=[IndexerCollector(indexer), ListenerCollector(listeners)]
-        + ([ReplicaCollector(replica)] if replica is not None else []),
+        + ([ReplicationCollector(replica)] if replica is not None else []),
     )
     app.state.indexer = indexer
     app.state.peers = peer_list

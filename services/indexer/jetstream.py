@@ -36,7 +36,6 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
@@ -56,17 +55,15 @@ from nats.js.api import (
     StreamInfo,
 )
 from nats.js.object_store import ObjectStore
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from dynamo_lite.errors import PayloadTooLarge, ServiceError, Unavailable
-from dynamo_lite.nats_connection import ConnectionCounts, NatsCollector, NatsSecurity, connect
+from dynamo_lite.nats_connection import ConnectionCounts, NatsSecurity, connect
 from dynamo_lite.snapshots import SnapshotError
 
 from . import replication
+from .core import Indexer
 from .listeners import Listeners, Subscription
 from .replication import Applied, Batch, Reset
-from .state import Indexer
 
 logger = logging.getLogger("dynamo_lite.indexer.jetstream")
 
@@ -226,13 +223,13 @@ class StreamReplica:
         return _incarnation(info)
 
     @property
-    def snapshot_bucket(self) -> str:
-        """The object store bucket holding this stream's snapshot."""
+    def bucket(self) -> str:
+        """The object store bucket of the stream's snapshots."""
         return f"{self.settings.stream}_snapshots"
 
     async def _ensure_bucket(self) -> ObjectStore:
         assert self._js is not None
-        bucket = self.snapshot_bucket
+        bucket = self.bucket
         try:
             return await self._js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
@@ -268,7 +265,7 @@ class StreamReplica:
             sequence, subscriptions = replication.load_snapshot(self.indexer, data)
         except (ValueError, ServiceError) as exc:
             raise SnapshotError(
-                f"the snapshot in bucket {self.snapshot_bucket} is not usable ({getattr(exc, 'message', exc)}); "
+                f"the snapshot in bucket {self.bucket} is not usable ({getattr(exc, 'message', exc)}); "
                 "delete it (and let a replica write a new one) or start with --reset-state") from None
         for subscription in subscriptions:
             self._listen(subscription)
@@ -603,39 +600,4 @@ def _incarnation(info: StreamInfo) -> str:
     return info.created.isoformat() if info.created is not None else ""
 
 
-_COUNTER_HELP: Final = {
-    "published": "writes this replica published to the stream (its routes and its ZMQ listeners)",
-    "duplicates": "engine batches this replica published that another replica had published first",
-    "applied": "stream messages this replica applied",
-    "refused": "stream messages the index refused whole (e.g. a registration that conflicts)",
-    "skipped_sequences": "stream messages that expired before this replica read them",
-    "snapshots_written": "snapshots this replica put into the object store",
-    "publish_failures": "writes the NATS server did not store in time (answered 503, or retried for engines)",
-}
-
-
-class ReplicaCollector(Collector):
-    """`dynamo_lite_indexer_replica_*`: how far behind this replica is and what it published;
-    `dynamo_lite_nats_*`: its connection."""
-
-    def __init__(self, replica: StreamReplica) -> None:
-        self.replica = replica
-
-    def collect(self) -> Iterator[Metric]:
-        replica = self.replica
-        for name, text in _COUNTER_HELP.items():
-            yield CounterMetricFamily(f"dynamo_lite_indexer_replica_{name}", text, getattr(replica.counts, name))
-        yield GaugeMetricFamily("dynamo_lite_indexer_replica_applied_sequence",
-                                "the last stream sequence this replica applied", replica.applied_sequence)
-        yield GaugeMetricFamily("dynamo_lite_indexer_replica_lag",
-                                "stream messages after the last one applied (-1: not known yet)",
-                                -1 if replica.lag is None else replica.lag)
-        yield GaugeMetricFamily("dynamo_lite_indexer_replica_snapshot_sequence",
-                                "the stream sequence of the snapshot this replica loaded or last wrote",
-                                replica.snapshot_sequence)
-        yield GaugeMetricFamily("dynamo_lite_indexer_replica_snapshot_seconds",
-                                "time the last snapshot this replica wrote took", replica.counts.snapshot_seconds)
-        yield from NatsCollector(replica.client, replica.connection_counts).collect()
-
-
-__all__ = ["ReplicaCollector", "StreamReplica", "StreamSettings"]
+__all__ = ["StreamReplica", "StreamSettings"]

@@ -67,8 +67,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dynamo_lite.errors import InvalidArgument, NotFound
 
+from .core import ApplyReport, Indexer
 from .engine_events import DecodedBatch, MalformedBatch, decode_batch
-from .state import ApplyReport, Indexer
 from .tree import WorkerKey
 
 logger = logging.getLogger("dynamo_lite.indexer.listeners")

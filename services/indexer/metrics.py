@@ -8,16 +8,20 @@ Reading costs O(partitions + worker ranks x tiers) per scrape and nothing betwee
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dynamo_lite.metrics import PREFIX
 
+from .core import Indexer
 from .engine_events import IGNORE_REASONS
 from .listeners import Listeners
 from .protocols import STORAGE_TIERS
-from .state import Indexer
+
+if TYPE_CHECKING:  # replication is imported only with --nats
+    from .jetstream import StreamReplica
 
 NAMESPACE = PREFIX + "indexer_"
 
@@ -130,4 +134,43 @@ class ListenerCollector(Collector):
         yield ignored
 
 
-__all__ = ["IndexerCollector", "ListenerCollector"]
+
+
+_COUNTER_HELP: Final = {
+    "published": "writes this replica published to the stream (its routes and its ZMQ listeners)",
+    "duplicates": "engine batches this replica published that another replica had published first",
+    "applied": "stream messages this replica applied",
+    "refused": "stream messages the index refused whole (e.g. a registration that conflicts)",
+    "skipped_sequences": "stream messages that expired before this replica read them",
+    "snapshots_written": "snapshots this replica put into the object store",
+    "publish_failures": "writes the NATS server did not store in time (answered 503, or retried for engines)",
+}
+
+
+class ReplicationCollector(Collector):
+    """`dynamo_lite_indexer_replica_*`: how far behind this replica is and what it published;
+    `dynamo_lite_nats_*`: its connection."""
+
+    def __init__(self, replica: StreamReplica) -> None:
+        self.replica = replica
+
+    def collect(self) -> Iterator[Metric]:
+        from dynamo_lite.nats_connection import NatsCollector
+
+        replica = self.replica
+        for name, text in _COUNTER_HELP.items():
+            yield CounterMetricFamily(f"dynamo_lite_indexer_replica_{name}", text, getattr(replica.counts, name))
+        yield GaugeMetricFamily("dynamo_lite_indexer_replica_applied_sequence",
+                                "the last stream sequence this replica applied", replica.applied_sequence)
+        yield GaugeMetricFamily("dynamo_lite_indexer_replica_lag",
+                                "stream messages after the last one applied (-1: not known yet)",
+                                -1 if replica.lag is None else replica.lag)
+        yield GaugeMetricFamily("dynamo_lite_indexer_replica_snapshot_sequence",
+                                "the stream sequence of the snapshot this replica loaded or last wrote",
+                                replica.snapshot_sequence)
+        yield GaugeMetricFamily("dynamo_lite_indexer_replica_snapshot_seconds",
+                                "time the last snapshot this replica wrote took", replica.counts.snapshot_seconds)
+        yield from NatsCollector(replica.client, replica.connection_counts).collect()
+
+
+__all__ = ["IndexerCollector", "ListenerCollector", "ReplicationCollector"]

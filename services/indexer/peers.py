@@ -13,7 +13,7 @@ from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.errors import NotFound
 from dynamo_lite.peers import recover as recover_from_peers
 
-from .state import Indexer
+from .core import Indexer
 
 
 class PeerList:

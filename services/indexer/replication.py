@@ -34,11 +34,11 @@ import xxhash
 
 from dynamo_lite.errors import ServiceError
 
+from .core import ApplyReport, Indexer, RankState, Source
 from .engine_events import MalformedBatch, decode_batch
 from .listeners import Subscription
 from .protocols import PartitionEvents, decode_events_document
 from .snapshot import encode_partitions
-from .state import ApplyReport, Indexer, RankState, Source
 from .tree import WorkerKey
 
 EVENTS: Final = "events"

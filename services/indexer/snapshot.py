@@ -34,8 +34,8 @@ from dynamo_lite.snapshots import Snapshots as ServiceSnapshots
 from dynamo_lite.snapshots import read_file
 from dynamo_lite.snapshots import write_atomically as write_atomically
 
+from .core import ApplyReport, Indexer
 from .protocols import PartitionEvents, approximation_to_json, event_to_json
-from .state import ApplyReport, Indexer
 
 
 def encode(indexer: Indexer) -> bytes:

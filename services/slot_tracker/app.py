@@ -30,7 +30,8 @@ from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is
 
 from .core import DEFAULT_REQUEST_TTL_SECS, SlotTracker
 from .metrics import SlotTrackerCollector
-from .snapshot import EMPTY, TrackerSnapshots, encode, recover
+from .peers import recover
+from .snapshot import EMPTY, TrackerSnapshots, encode
 
 if TYPE_CHECKING:  # imported only with --nats (see `create_app`)
     from .nats_sync import NatsReplication, NatsSettings

@@ -1,14 +1,10 @@
 """The slot tracker's state outside the process: the `GET /dump` document, written as a
-snapshot (`--snapshot`) and loaded at start-up, from a peer (`--peers`) or from the snapshot.
+snapshot (`--snapshot`) and loaded at start-up, from a peer (`--peers`, see `peers`) or from
+the snapshot.
 
 The document is `SlotTrackerDump` (see `core`) as JSON: versioned, with every active request's
 remaining TTL and the wall-clock time it was taken, so a restore subtracts the time the process
-was down and drops the requests that expired meanwhile. A peer's dump is loaded as taken (it was
-taken a moment ago, and the two hosts' clocks may differ by more than that).
-
-A peer wins over the snapshot: a replica that kept running saw every `/add` and `/free` since the
-snapshot was written, and the two cannot be merged (the same requests would be on both sides).
-So start-up asks the peers first and loads the snapshot only when no peer's dump was loaded.
+was down and drops the requests that expired meanwhile.
 
 Cost, 10,000 requests of 256 hashes (53 MB; measured on the 2-core development machine): the dump
 is collected on the event loop in 2-10 ms (the hash tuples are shared, not copied), then a worker
@@ -21,13 +17,11 @@ requests: 10-15 ms to write, pauses under 5 ms, 0.09 s to load.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import msgspec
 
-from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.errors import ServiceError
-from dynamo_lite.peers import recover as recover_from_peers
 from dynamo_lite.snapshots import SnapshotError, Snapshots, read_file
 
 from .core import RestoreReport, SlotTracker
@@ -113,18 +107,3 @@ class TrackerSnapshots(Snapshots[SlotTrackerDump]):
         except ServiceError as exc:
             raise SnapshotError(f"snapshot {self.path} is not a valid dump: {exc.message}") from None
         return describe_restore(report)
-
-
-async def recover(
-    tracker: SlotTracker, peers: Sequence[str], *, deadline_secs: float, otherwise: str = EMPTY,
-    credentials: ClientCredentials = ClientCredentials(),
-) -> str | None:
-    """Replace the tracker's state with the first reachable peer's dump; returns the peer used,
-    or None when no peer's dump was loaded within `deadline_secs` (the log then says the tracker
-    starts with `otherwise`)."""
-
-    def load(body: bytes) -> str:
-        return describe_restore(tracker.restore(decode(body)))
-
-    return await recover_from_peers(peers, load, deadline_secs=deadline_secs, otherwise=otherwise,
-                                    credentials=credentials)
