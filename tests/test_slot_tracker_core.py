@@ -12,7 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from dynamo_lite.errors import Conflict, InvalidArgument, NotFound
 from dynamo_lite.slot_tracker import core
-from dynamo_lite.slot_tracker.core import PotentialLoad, RankLoad, SlotTracker, WorkerInfo
+from dynamo_lite.slot_tracker.core import SlotTracker
+from dynamo_lite.slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
 
 class FakeClock:
