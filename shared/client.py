@@ -1,18 +1,32 @@
-"""httpx clients for both services: one method per route, typed results, one error type.
+"""httpx clients for both services: one method per route, typed results, typed errors.
 
 `AsyncSlotTrackerClient` / `AsyncIndexerClient` are the clients a gateway uses on its event
-loop; `SlotTrackerClient` / `IndexerClient` are thin synchronous wrappers for scripts and
-tests. All share one `httpx.AsyncClient` per instance (connection pooling, keep-alive) and a
-timeout per call; a non-2xx answer raises `ServiceCallError` with the status and the service's
-`{"error": ...}` message.
+loop; `SlotTrackerClient` / `IndexerClient` are the same methods without `await`, for scripts
+and tests (they block: not for use on an event loop). Each holds one pooled `httpx.AsyncClient`
+(or `httpx.Client`) with keep-alive and a timeout per call.
 
-Services started with `--api-key` want `Authorization: Bearer KEY`: every client takes
-`api_key=` (default: `DYNAMO_LITE_API_KEY`; `""` sends none), and for https:// URLs `verify=`
-(True, a CA bundle path or an `ssl.SSLContext`) and `cert=` (a client certificate for mutual
-TLS), as httpx does; or one `credentials=ClientCredentials(...)` for all three.
+Every client takes the same keyword arguments: `timeout=` (seconds per call), `client=` (an
+`httpx.AsyncClient` / `httpx.Client` to share; its base URL, timeout and TLS settings then
+apply, and its owner closes it), `api_key=` (sent as `Authorization: Bearer KEY` to services
+started with `--api-key`; default: `DYNAMO_LITE_API_KEY`, `""` sends none), for https:// URLs
+`verify=` (True, a CA bundle path or an `ssl.SSLContext`) and `cert=` (a client certificate for
+mutual TLS) as httpx takes them, or one `credentials=ClientCredentials(...)` for those three.
+The async clients also take `pipelined=True`: the lean pipelined HTTP/1.1 transport
+(`dynamo_lite.pipelined`: plain http only, a tenth of httpx's CPU per call).
 
-Answer rows of the slot tracker, re-exported here (they are the tracker core's own types, one
-definition of the wire shape):
+Errors, like httpx's: every failed call raises a `ServiceCallError`, as one of
+
+* `ServiceStatusError`: the service answered with an error status (`status`, and its
+  `{"error": ...}` text as `message`);
+* `TransportError`: no answer (`status` 0), more precisely `ConnectError` (no connection, the
+  call was not sent) or `CallTimeout` (no answer in time).
+
+Code that catches `ServiceCallError` and reads `status` (0 for no answer) keeps working.
+
+The public names are the ones in `__all__`, listed in the reference (docs/client-reference.md);
+modules and names with a leading underscore are not (`_client_base`, `_async_client` and the
+generated `_sync_client` hold the code). The answer rows of the slot tracker are the service's
+own wire types (`dynamo_lite.slot_tracker.protocols`), re-exported here:
 
 * `WorkerInfo`: one registered worker (`worker_id`, `model_name`, `tenant_id`, `block_size`,
   and its DP range `dp_start`, `dp_size`), as `workers()` lists them.
@@ -24,493 +38,36 @@ definition of the wire shape):
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
-
-import httpx
-import orjson
-
-from .credentials import Cert, ClientCredentials, Verify, client_credentials
-# The slot tracker's answer rows are the core's own types: one definition of the wire shape.
-from .slot_tracker.core import PotentialLoad, RankLoad, WorkerInfo
-
-DEFAULT_TIMEOUT_SECS = 5.0
-"""Seconds a client waits for each call (connect, read, write) unless told otherwise."""
-DEFAULT_TENANT = "default"
-"""The `tenant_id` the clients send when none is given, as the services assume."""
-
-T = TypeVar("T")
-
-
-class ServiceCallError(Exception):
-    """A call the service answered with an error status, or could not be made at all.
-
-    `status` is the HTTP status of the answer, or 0 when there was no answer (connection
-    refused, timeout, connection reset: any transport error); `message` is the service's
-    `{"error": ...}` text, or the transport error's name and text; `method` and `path` name
-    the call (`"POST"`, `"/add"`).
-    """
-
-    def __init__(self, status: int, message: str, *, method: str = "", path: str = "") -> None:
-        super().__init__(f"{method} {path} -> {status}: {message}" if method else f"{status}: {message}")
-        self.status = status
-        self.message = message
-        self.method = method
-        self.path = path
-
-
-@dataclass(frozen=True, slots=True)
-class OverlapScores:
-    """The indexer's answer: matched tokens per (instance_id, dp_rank) on the device tier,
-    plus the per-instance tier breakdown exactly as the service sends it."""
-
-    scores: dict[tuple[int, int], int]
-    instances: dict[int, dict[str, Any]]
-
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> OverlapScores:
-        """Parse a `/query` or `/query_by_hash` answer body (string keys become ints)."""
-        scores = {
-            (int(instance), int(rank)): tokens
-            for instance, ranks in body["scores"].items()
-            for rank, tokens in ranks.items()
-        }
-        instances = {int(instance): detail for instance, detail in body.get("instances", {}).items()}
-        return cls(scores, instances)
-
-
-class _Transport:
-    """One pooled connection set to one service."""
-
-    def __init__(self, base_url: str, timeout: float, client: httpx.AsyncClient | None,
-                 credentials: ClientCredentials) -> None:
-        self._owns_client = client is None
-        # A client passed in keeps its own settings; the key still goes with every call.
-        key_headers = credentials.headers() if client is not None else {}
-        self._json_headers = {"content-type": "application/json", **key_headers}
-        self._plain_headers = key_headers or None
-        self._client = client or httpx.AsyncClient(
-            base_url=base_url,
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
-            **credentials.httpx_options(),
-        )
-
-    async def call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None) -> Any:
-        content = None if body is None else orjson.dumps(body)
-        headers = self._json_headers if content is not None else self._plain_headers
-        try:
-            response = await self._client.request(method, path, content=content, headers=headers, params=params)
-        except httpx.TransportError as exc:
-            raise ServiceCallError(0, f"{type(exc).__name__}: {exc}", method=method, path=path) from exc
-        if response.status_code >= 400:
-            try:
-                message = orjson.loads(response.content)["error"]
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                message = response.text or response.reason_phrase
-            raise ServiceCallError(response.status_code, message, method=method, path=path)
-        return orjson.loads(response.content) if response.content else None
-
-    async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
-
-
-def _filters(model_name: str | None, tenant_id: str | None) -> dict[str, str]:
-    params = {}
-    if model_name is not None:
-        params["model_name"] = model_name
-    if tenant_id is not None:
-        params["tenant_id"] = tenant_id
-    return params
-
-
-_C = TypeVar("_C", bound="_AsyncServiceClient")
-
-
-class _AsyncServiceClient:
-    """Connection pool and lifecycle shared by both async clients."""
-
-    def __init__(self, base_url: str, *, timeout: float, client: httpx.AsyncClient | None,
-                 pipelined: bool = False, api_key: str | None = None, verify: Verify = True, cert: Cert = None,
-                 credentials: ClientCredentials | None = None) -> None:
-        if credentials is None:
-            credentials = client_credentials(api_key, verify, cert)
-        self.credentials = credentials
-        if pipelined:
-            if client is not None:
-                raise ValueError("pipelined=True makes its own connections: pass no httpx client")
-            from .pipelined import PipelinedTransport  # imports ServiceCallError from here
-
-            self._transport: Any = PipelinedTransport(base_url, timeout, api_key=credentials.api_key)
-        else:
-            self._transport = _Transport(base_url, timeout, client, credentials)
-
-    async def __aenter__(self: _C) -> _C:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connection pool (not an `httpx.AsyncClient` passed in: its owner closes it)."""
-        await self._transport.aclose()
-
-    async def health(self) -> None:
-        """`GET /health`: returns if the service answers, raises `ServiceCallError` otherwise."""
-        await self._transport.call("GET", "/health")
-
-
-class AsyncSlotTrackerClient(_AsyncServiceClient):
-    """Async client of the slot tracker (active requests and load per rank); one method per route.
-
-    Pass `client` to share an `httpx.AsyncClient` (its base URL and timeout then apply), or
-    `pipelined=True` for the lean pipelined HTTP/1.1 transport (`dynamo_lite.pipelined`: plain
-    http only, a tenth of httpx's CPU per call); use it as
-    `async with AsyncSlotTrackerClient(url) as tracker:` or call `aclose()` at the end.
-    """
-
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:8091",
-        *,
-        timeout: float = DEFAULT_TIMEOUT_SECS,
-        client: httpx.AsyncClient | None = None,
-        pipelined: bool = False,
-        api_key: str | None = None,
-        verify: Verify = True,
-        cert: Cert = None,
-        credentials: ClientCredentials | None = None,
-    ) -> None:
-        super().__init__(base_url, timeout=timeout, client=client, pipelined=pipelined, api_key=api_key,
-                         verify=verify, cert=cert, credentials=credentials)
-
-    async def register(
-        self,
-        worker_id: int,
-        model_name: str,
-        block_size: int,
-        *,
-        dp_start: int = 0,
-        dp_size: int = 1,
-        tenant_id: str = DEFAULT_TENANT,
-    ) -> None:
-        """Register a worker with the DP ranks `dp_start` .. `dp_start + dp_size - 1`.
-
-        The first worker of a (model, tenant) fixes its `block_size`; 409 if the worker is
-        already registered or the block size differs.
-        """
-        await self._transport.call("POST", "/register", {
-            "worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id,
-            "block_size": block_size, "dp_start": dp_start, "dp_size": dp_size,
-        })
-
-    async def unregister(self, worker_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
-        """Remove a worker with its ranks and their active requests; 404 if it is not registered."""
-        await self._transport.call(
-            "POST", "/unregister", {"worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id}
-        )
-
-    async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
-        """The registered workers, optionally of one model and/or tenant only."""
-        items = await self._transport.call("GET", "/workers", params=_filters(model_name, tenant_id))
-        return [WorkerInfo(**item) for item in items]
-
-    async def add(
-        self,
-        model_name: str,
-        request_id: str,
-        worker_id: int,
-        dp_rank: int,
-        sequence_hashes: Sequence[int],
-        new_isl_tokens: int = 0,
-        *,
-        tenant_id: str = DEFAULT_TENANT,
-    ) -> None:
-        """Book a request on a rank: its prompt's chained `sequence_hashes` and the
-        `new_isl_tokens` still to prefill count in that rank's load until `free()`.
-
-        404 if the model or the rank is unknown (the worker left: route again), 409 if the
-        request id is already active.
-        """
-        await self._transport.call("POST", "/add", {
-            "model_name": model_name, "tenant_id": tenant_id, "request_id": request_id,
-            "worker_id": worker_id, "dp_rank": dp_rank, "sequence_hashes": list(sequence_hashes),
-            "new_isl_tokens": new_isl_tokens,
-        })
-
-    async def prefill_complete(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
-        """The request produced its first token: its prompt tokens stop counting as prefill load."""
-        await self._transport.call(
-            "POST", "/prefill_complete", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
-        )
-
-    async def output_blocks(
-        self, model_name: str, request_id: str, output_blocks: int, *, tenant_id: str = DEFAULT_TENANT
-    ) -> None:
-        """The request has generated `output_blocks` full blocks so far (send it every `block_size`
-        tokens): they count in its rank's decode blocks until `free()`.
-
-        An absolute count, so a retry is harmless; 409 if it is smaller than the last one sent,
-        404 if the request is not active (freed, expired, or its worker left).
-        """
-        await self._transport.call("POST", "/output_blocks", {
-            "model_name": model_name, "tenant_id": tenant_id, "request_id": request_id,
-            "output_blocks": output_blocks,
-        })
-
-    async def free(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
-        """The request ended: drop it from its rank's load. Idempotent, so safe to retry."""
-        await self._transport.call(
-            "POST", "/free", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
-        )
-
-    async def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[RankLoad]:
-        """Current load of every rank (idle ones too), optionally of one model and/or tenant."""
-        items = await self._transport.call("GET", "/loads", params=_filters(model_name, tenant_id))
-        return [RankLoad(**item) for item in items]
-
-    async def potential_loads(
-        self,
-        model_name: str,
-        sequence_hashes: Sequence[int],
-        new_isl_tokens: int = 0,
-        *,
-        tenant_id: str = DEFAULT_TENANT,
-    ) -> list[PotentialLoad]:
-        """Each rank's load if this request were added there, without booking it.
-
-        With `new_isl_tokens=0`, `potential_prefill_tokens` is the rank's active prefill, as
-        `KvRouter` asks. 404 if no worker of the model is registered.
-        """
-        items = await self._transport.call("POST", "/potential_loads", {
-            "model_name": model_name, "tenant_id": tenant_id,
-            "sequence_hashes": list(sequence_hashes), "new_isl_tokens": new_isl_tokens,
-        })
-        return [PotentialLoad(**item) for item in items]
-
-    async def dump(self) -> dict[str, Any]:
-        """The whole state as a versioned document: every partition's workers and active requests
-        with the TTL each has left, what `--snapshot` files hold and `--peers` start-up loads."""
-        return await self._transport.call("GET", "/dump")  # type: ignore[no-any-return]
-
-
-class AsyncIndexerClient(_AsyncServiceClient):
-    """Async client of the KV-cache indexer (which blocks each rank holds); one method per route.
-
-    Pass `client` to share an `httpx.AsyncClient` (its base URL and timeout then apply), or
-    `pipelined=True` for the lean pipelined HTTP/1.1 transport (`dynamo_lite.pipelined`: plain
-    http only, a tenth of httpx's CPU per call); use it as
-    `async with AsyncIndexerClient(url) as indexer:` or call `aclose()` at the end.
-    """
-
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:8090",
-        *,
-        timeout: float = DEFAULT_TIMEOUT_SECS,
-        client: httpx.AsyncClient | None = None,
-        pipelined: bool = False,
-        api_key: str | None = None,
-        verify: Verify = True,
-        cert: Cert = None,
-        credentials: ClientCredentials | None = None,
-    ) -> None:
-        super().__init__(base_url, timeout=timeout, client=client, pipelined=pipelined, api_key=api_key,
-                         verify=verify, cert=cert, credentials=credentials)
-
-    async def register(
-        self,
-        instance_id: int,
-        model_name: str,
-        block_size: int,
-        *,
-        dp_rank: int = 0,
-        tenant_id: str = DEFAULT_TENANT,
-        endpoint: str | None = None,
-        replay_endpoint: str | None = None,
-    ) -> None:
-        """Register one rank; with `endpoint` (the engine's ZMQ KV-event publisher) the indexer
-        subscribes to it, and asks `replay_endpoint` for batches it missed."""
-        body: dict[str, Any] = {
-            "instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id,
-            "block_size": block_size, "dp_rank": dp_rank,
-        }
-        if endpoint is not None:
-            body["endpoint"] = endpoint
-        if replay_endpoint is not None:
-            body["replay_endpoint"] = replay_endpoint
-        await self._transport.call("POST", "/register", body)
-
-    async def unregister(
-        self, instance_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT, dp_rank: int | None = None
-    ) -> None:
-        """Remove one rank, or every rank of the instance when `dp_rank` is None, with their blocks."""
-        body: dict[str, Any] = {"instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id}
-        if dp_rank is not None:
-            body["dp_rank"] = dp_rank
-        await self._transport.call("POST", "/unregister", body)
-
-    async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
-        """The known instances with, per rank, its block counts, event watermark and subscription."""
-        return await self._transport.call("GET", "/workers", params=_filters(model_name, tenant_id))  # type: ignore[no-any-return]
-
-    async def events(self, document: dict[str, Any]) -> dict[str, Any]:
-        """Post a `/dump`-shaped document of RouterEvents; returns the ingest report."""
-        return await self._transport.call("POST", "/events", document)  # type: ignore[no-any-return]
-
-    async def query_by_hash(
-        self, model_name: str, block_hashes: Sequence[int], *, tenant_id: str = DEFAULT_TENANT
-    ) -> OverlapScores:
-        """Cached tokens per rank for a prompt given as its local block hashes (signed i64).
-
-        404 if nothing is registered or cached for the model yet.
-        """
-        body = await self._transport.call("POST", "/query_by_hash", {
-            "model_name": model_name, "tenant_id": tenant_id, "block_hashes": list(block_hashes),
-        })
-        return OverlapScores.from_json(body)
-
-    async def query(
-        self,
-        model_name: str,
-        token_ids: Sequence[int],
-        *,
-        tenant_id: str = DEFAULT_TENANT,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-    ) -> OverlapScores:
-        """`query_by_hash` for a prompt given as token ids: the indexer hashes its full blocks."""
-        body: dict[str, Any] = {"model_name": model_name, "tenant_id": tenant_id, "token_ids": list(token_ids)}
-        if lora_name is not None:
-            body["lora_name"] = lora_name
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        return OverlapScores.from_json(await self._transport.call("POST", "/query", body))
-
-    async def routed(
-        self,
-        instance_id: int,
-        model_name: str,
-        block_hashes: Sequence[int] | None = None,
-        *,
-        token_ids: Sequence[int] | None = None,
-        dp_rank: int = 0,
-        tenant_id: str = DEFAULT_TENANT,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-    ) -> dict[str, Any]:
-        """Record that a prompt was routed to this rank (approximate indexing, for engines that
-        publish no KV events): its blocks count for the rank for the indexer's TTL. Give the
-        prompt as local block hashes (signed i64, as for `query_by_hash`) or as `token_ids`
-        (with `lora_name` / `cache_salt`), exactly one of the two. Returns `{"recorded",
-        "new", "evicted"}`; 404 if the partition is unknown."""
-        body: dict[str, Any] = {
-            "instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id, "dp_rank": dp_rank,
-        }
-        if block_hashes is not None:
-            body["block_hashes"] = list(block_hashes)
-        if token_ids is not None:
-            body["token_ids"] = list(token_ids)
-        if lora_name is not None:
-            body["lora_name"] = lora_name
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        return await self._transport.call("POST", "/routed", body)  # type: ignore[no-any-return]
-
-    async def dump(self) -> dict[str, Any]:
-        """The whole index as an events document, which `events()` on another indexer ingests."""
-        return await self._transport.call("GET", "/dump")  # type: ignore[no-any-return]
-
-    async def peers(self) -> list[str]:
-        """The base URLs of the peer indexers this indexer knows (`--peers`, `register_peer`)."""
-        return await self._transport.call("GET", "/peers")  # type: ignore[no-any-return]
-
-    async def register_peer(self, url: str) -> None:
-        """Add a peer indexer's base URL to the list `peers()` returns."""
-        await self._transport.call("POST", "/register_peer", {"url": url})
-
-    async def deregister_peer(self, url: str) -> None:
-        """Remove a peer indexer's base URL; 404 if it is not in the list."""
-        await self._transport.call("POST", "/deregister_peer", {"url": url})
-
-
-A = TypeVar("A", AsyncSlotTrackerClient, AsyncIndexerClient)
-
-
-class _Blocking(Generic[A]):
-    """Runs an async client's coroutines to completion on a private event loop.
-
-    Attribute access forwards to the async client, so the sync clients have exactly the same
-    methods and signatures, returning values instead of awaitables. Not for use inside a running
-    event loop (use the async client there).
-    """
-
-    def __init__(self, async_client: A) -> None:
-        self._async: A = async_client
-        self._loop = asyncio.new_event_loop()
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._async, name)
-        if not callable(method) or name.startswith("_"):
-            raise AttributeError(name)
-
-        def blocking(*args: Any, **kwargs: Any) -> Any:
-            return self._run(method(*args, **kwargs))
-
-        return blocking
-
-    def _run(self, coroutine: Awaitable[T]) -> T:
-        return self._loop.run_until_complete(coroutine)
-
-    def close(self) -> None:
-        """Close the async client's connections and this wrapper's event loop (repeats are no-ops)."""
-        if not self._loop.is_closed():
-            self._run(self._async.aclose())
-            self._loop.close()
-
-    def __enter__(self) -> _Blocking[A]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class SlotTrackerClient(_Blocking[AsyncSlotTrackerClient]):
-    """Synchronous slot tracker client: `SlotTrackerClient(url).loads()`.
-
-    Same methods and arguments as `AsyncSlotTrackerClient`, each returning its result; for
-    scripts and tests, not inside a running event loop. Use `with` or call `close()`.
-    """
-
-    def __init__(self, base_url: str = "http://127.0.0.1:8091", *, timeout: float = DEFAULT_TIMEOUT_SECS,
-                 api_key: str | None = None, verify: Verify = True, cert: Cert = None) -> None:
-        super().__init__(AsyncSlotTrackerClient(base_url, timeout=timeout, api_key=api_key, verify=verify, cert=cert))
-
-
-class IndexerClient(_Blocking[AsyncIndexerClient]):
-    """Synchronous indexer client: `IndexerClient(url).query_by_hash(model, hashes)`.
-
-    Same methods and arguments as `AsyncIndexerClient`, each returning its result; for scripts
-    and tests, not inside a running event loop. Use `with` or call `close()`.
-    """
-
-    def __init__(self, base_url: str = "http://127.0.0.1:8090", *, timeout: float = DEFAULT_TIMEOUT_SECS,
-                 api_key: str | None = None, verify: Verify = True, cert: Cert = None) -> None:
-        super().__init__(AsyncIndexerClient(base_url, timeout=timeout, api_key=api_key, verify=verify, cert=cert))
-
+from ._async_client import AsyncIndexerClient, AsyncSlotTrackerClient
+from ._client_base import (
+    DEFAULT_TENANT,
+    DEFAULT_TIMEOUT_SECS,
+    CallTimeout,
+    ConnectError,
+    OverlapScores,
+    ServiceCallError,
+    ServiceStatusError,
+    TransportError,
+)
+from ._sync_client import IndexerClient, SlotTrackerClient
+from .credentials import ClientCredentials
+from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
 __all__ = [
-    "AsyncIndexerClient",
-    "ClientCredentials",
     "AsyncSlotTrackerClient",
-    "IndexerClient",
-    "OverlapScores",
-    "PotentialLoad",
-    "RankLoad",
-    "ServiceCallError",
+    "AsyncIndexerClient",
     "SlotTrackerClient",
+    "IndexerClient",
+    "ServiceCallError",
+    "ServiceStatusError",
+    "TransportError",
+    "ConnectError",
+    "CallTimeout",
+    "OverlapScores",
+    "DEFAULT_TIMEOUT_SECS",
+    "DEFAULT_TENANT",
+    "ClientCredentials",
     "WorkerInfo",
+    "RankLoad",
+    "PotentialLoad",
 ]

@@ -8,9 +8,9 @@ one `transport.write` of a prebuilt request, llhttp (httptools) parsing the answ
 future: tens of microseconds.
 
 `PipelinedTransport.call` keeps `_Transport.call`'s contract (`dynamo_lite.client`): the decoded
-JSON answer (None for an empty body), `ServiceCallError` with the status and the service's
-`{"error": ...}` message for a status >= 400, and status 0 for no answer at all (refused,
-reset, timed out). Plain `http://` only; use the httpx transport for anything else.
+JSON answer (None for an empty body), `ServiceStatusError` with the status and the service's
+`{"error": ...}` message for a status >= 400, and a `TransportError` for no answer at all
+(`ConnectError` when no connection opens, `CallTimeout` past the timeout). Plain `http://` only; use the httpx transport for anything else.
 
 Calls spread over up to `connections` connections, each carrying several pipelined requests;
 a connection is opened when needed and reopened after it is lost. A call that was written to a
@@ -31,7 +31,7 @@ from urllib.parse import urlencode, urlsplit
 import httptools
 import orjson
 
-from .client import ServiceCallError
+from ._client_base import CallTimeout, ConnectError, TransportError, status_error
 
 _JSON_HEADERS = b"content-type: application/json\r\n"
 
@@ -113,18 +113,18 @@ class _Connection(asyncio.Protocol):
 
     def timed_out(self, call: _Pending) -> None:
         if not call.future.done():
-            self._fail(call, "timed out")
+            self._fail(call, "timed out", CallTimeout)
             self.close()  # the answers behind it can no longer be matched
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
-    def _fail(self, call: _Pending, why: str) -> None:
+    def _fail(self, call: _Pending, why: str, kind: type[TransportError] = TransportError) -> None:
         if call.timer is not None:
             call.timer.cancel()
         if not call.future.done():
-            call.future.set_exception(ServiceCallError(0, why, method=call.method, path=call.path))
+            call.future.set_exception(kind(why, method=call.method, path=call.path))
 
     def _fail_all(self, why: str) -> None:
         pending, self.pending = self.pending, deque()
@@ -167,11 +167,7 @@ class PipelinedTransport:
         await self._send(call)
         status, answer = await call.future
         if status >= 400:
-            try:
-                message = orjson.loads(answer)["error"]
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                message = answer.decode("utf-8", "replace") or str(status)
-            raise ServiceCallError(status, message, method=method, path=path)
+            raise status_error(status, answer, method, path)
         return orjson.loads(answer) if answer else None
 
     async def aclose(self) -> None:
@@ -201,7 +197,7 @@ class PipelinedTransport:
         and every open one is busy. One connection opens at a time: calls that arrive meanwhile
         wait for it (or take a busy one) rather than opening one each."""
         if self._closed:
-            call.future.set_exception(ServiceCallError(0, "the client is closed", method=call.method, path=call.path))
+            call.future.set_exception(TransportError("the client is closed", method=call.method, path=call.path))
             return None
         best = min(self._connections, key=lambda c: len(c.pending), default=None)
         if best is not None and (not best.pending or len(self._connections) >= self.max_connections
@@ -216,8 +212,9 @@ class PipelinedTransport:
             if best is not None:
                 return best
             if not call.future.done():
-                call.future.set_exception(ServiceCallError(
-                    0, f"cannot connect to {self.host}:{self.port}: {type(exc).__name__}: {exc}",
+                kind = CallTimeout if isinstance(exc, asyncio.TimeoutError) else ConnectError
+                call.future.set_exception(kind(
+                    f"cannot connect to {self.host}:{self.port}: {type(exc).__name__}: {exc}",
                     method=call.method, path=call.path))
             return None
 

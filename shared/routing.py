@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .client import AsyncIndexerClient, AsyncSlotTrackerClient, PotentialLoad, ServiceCallError
+from .client import AsyncIndexerClient, AsyncSlotTrackerClient, PotentialLoad, ServiceStatusError
 from .hashing import local_block_hashes, sequence_hashes, to_signed
 
 
@@ -277,8 +277,9 @@ class KvRouter:
     ) -> Decision:
         """Query both services concurrently and pick a rank. Overrides apply to this call only.
 
-        Raises `NoWorkerAvailable` when no rank of the model is registered or all are busy,
-        and `ServiceCallError` when a service cannot be reached or answers another error.
+        Raises `NoWorkerAvailable` when no rank of the model is registered or all are busy, a
+        `TransportError` when a service cannot be reached, and a `ServiceStatusError` when one
+        answers another error (both are `ServiceCallError`s).
         """
         config = self.config
         if overlap_score_weight is not None or router_temperature is not None:
@@ -288,18 +289,10 @@ class KvRouter:
                 router_temperature=config.router_temperature if router_temperature is None else router_temperature,
             )
         started = time.perf_counter()
-        overlap_task = self._cached_tokens(model_name, tenant_id, local_hashes)
-        loads_task = self.slot_tracker.potential_loads(model_name, sequence_hashes, 0, tenant_id=tenant_id)
-        try:
-            cached, loads = await asyncio.gather(overlap_task, loads_task)
-        except ServiceCallError as error:
-            if error.status == 404 and error.path == "/potential_loads":
-                # The slot tracker knows no worker of this model: nothing registered to route to.
-                raise NoWorkerAvailable(
-                    f"no rank can take the request: no worker of model {model_name!r} (tenant {tenant_id!r}) "
-                    "is registered with the slot tracker"
-                ) from error
-            raise
+        cached, loads = await asyncio.gather(
+            self._cached_tokens(model_name, tenant_id, local_hashes),
+            self._potential_loads(model_name, tenant_id, sequence_hashes),
+        )
         lookup_secs = time.perf_counter() - started
         costs = score_ranks(loads, cached, isl_tokens, self.block_size, config)
         chosen = choose(costs, config.router_temperature, self.rng)
@@ -310,7 +303,7 @@ class KvRouter:
         """Book the chosen rank with `/add` (new prefill tokens = the prompt minus its cached part),
         and record the decision on the indexer (`record`) at the same time.
 
-        A `ServiceCallError` with status 404 from `/add` means the rank left since `select`:
+        A `ServiceStatusError` with status 404 from `/add` means the rank left since `select`:
         select again.
         """
         add = self.slot_tracker.add(
@@ -337,7 +330,7 @@ class KvRouter:
                 decision.worker_id, decision.model_name, decision.local_hashes,
                 dp_rank=decision.dp_rank, tenant_id=decision.tenant_id,
             )
-        except ServiceCallError as exc:
+        except ServiceStatusError as exc:
             if exc.status != 404:
                 raise
             _logger.warning("not recorded on the indexer: %s", exc.message)
@@ -360,12 +353,26 @@ class KvRouter:
         # An empty partition is one the indexer does not know: nothing to record into.
         return bool(sources) and sources.get((decision.worker_id, decision.dp_rank)) != "events"
 
+    async def _potential_loads(
+        self, model_name: str, tenant_id: str, sequence_hashes: Sequence[int]
+    ) -> list[PotentialLoad]:
+        try:
+            return await self.slot_tracker.potential_loads(model_name, sequence_hashes, 0, tenant_id=tenant_id)
+        except ServiceStatusError as error:
+            if error.status != 404:
+                raise
+            # The slot tracker knows no worker of this model: nothing registered to route to.
+            raise NoWorkerAvailable(
+                f"no rank can take the request: no worker of model {model_name!r} (tenant {tenant_id!r}) "
+                "is registered with the slot tracker"
+            ) from error
+
     async def _cached_tokens(
         self, model_name: str, tenant_id: str, local_hashes: Sequence[int]
     ) -> dict[tuple[int, int], int]:
         try:
             overlap = await self.indexer.query_by_hash(model_name, local_hashes, tenant_id=tenant_id)
-        except ServiceCallError as exc:
+        except ServiceStatusError as exc:
             if exc.status == 404:  # no worker published anything for this model yet
                 return {}
             raise

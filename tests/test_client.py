@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from dynamo_lite.client import (
+    AsyncIndexerClient,
     AsyncSlotTrackerClient,
+    CallTimeout,
+    ConnectError,
+    IndexerClient,
     PotentialLoad,
     RankLoad,
     ServiceCallError,
+    ServiceStatusError,
     SlotTrackerClient,
+    TransportError,
     WorkerInfo,
 )
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def in_process(app) -> httpx.AsyncClient:
@@ -55,6 +68,7 @@ def test_transport_failures_are_service_call_errors() -> None:
     with SlotTrackerClient("http://127.0.0.1:9", timeout=0.5) as client, pytest.raises(ServiceCallError) as failure:
         client.loads()
     assert failure.value.status == 0
+    assert isinstance(failure.value, ConnectError) and failure.value.path == "/loads"
 
 
 def test_async_indexer_client_round_trip() -> None:
@@ -93,3 +107,69 @@ def test_async_indexer_client_round_trip() -> None:
             assert failure.value.status == 404
 
     asyncio.run(scenario())
+
+
+def test_errors_split_as_httpx_does_under_service_call_error() -> None:
+    assert issubclass(ServiceStatusError, ServiceCallError) and issubclass(TransportError, ServiceCallError)
+    assert issubclass(ConnectError, TransportError) and issubclass(CallTimeout, TransportError)
+    assert not issubclass(ServiceStatusError, TransportError)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/loads":
+            raise httpx.ReadTimeout("slow", request=request)
+        if request.url.path == "/workers":
+            raise httpx.RemoteProtocolError("cut", request=request)
+        return httpx.Response(503, json={"error": "not ready"})
+
+    mock = httpx.Client(base_url="http://service", transport=httpx.MockTransport(answer))
+    with SlotTrackerClient(client=mock) as client:
+        with pytest.raises(CallTimeout) as slow:
+            client.loads()
+        assert slow.value.status == 0 and "ReadTimeout: slow" in slow.value.message
+        with pytest.raises(TransportError) as cut:
+            client.workers()
+        assert type(cut.value) is TransportError and cut.value.method == "GET"
+        with pytest.raises(ServiceStatusError) as refused:
+            client.free("m", "r")
+        assert (refused.value.status, refused.value.message, refused.value.path) == (503, "not ready", "/free")
+        assert str(refused.value) == "POST /free -> 503: not ready"
+    mock.close()
+
+
+def test_sync_clients_are_generated_from_the_async_source() -> None:
+    result = subprocess.run([sys.executable, "scripts/generate_sync_client.py", "--check"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("sync, async_", [(SlotTrackerClient, AsyncSlotTrackerClient),
+                                          (IndexerClient, AsyncIndexerClient)])
+def test_sync_clients_have_every_async_method_as_a_typed_function(sync: type, async_: type) -> None:
+    routes = [name for name, value in inspect.getmembers(async_, inspect.iscoroutinefunction)
+              if not name.startswith("_")]
+    assert "health" in routes and "aclose" in routes
+    for name in routes:
+        method = getattr(sync, "close" if name == "aclose" else name)  # on the class: no forwarding
+        assert inspect.isfunction(method) and not inspect.iscoroutinefunction(method), name
+        expected = inspect.signature(getattr(async_, name))
+        # The same parameters with the same annotations; httpx.AsyncClient -> httpx.Client aside.
+        assert inspect.signature(method) == expected, name
+        assert (method.__doc__ or "").strip(), name
+    sync_init, async_init = inspect.signature(sync).parameters, inspect.signature(async_).parameters
+    assert set(async_init) - set(sync_init) == {"pipelined"} and sync_init["client"].annotation == "httpx.Client | None"
+
+
+def test_sync_slot_tracker_client_round_trip() -> None:
+    with TestClient(create_slot_tracker(), base_url="http://service") as http, \
+            SlotTrackerClient(client=http) as client:
+        client.health()
+        client.register(7, "m", 16, dp_size=2)
+        client.add("m", "r1", 7, 1, [1, 2, 3], 48)
+        assert client.loads() == [RankLoad("m", "default", 7, 0, 0, 0), RankLoad("m", "default", 7, 1, 48, 3)]
+        assert client.workers() == [WorkerInfo(7, "m", "default", 16, 0, 2)]
+        with pytest.raises(ServiceStatusError) as missing:
+            client.potential_loads("other", [1])
+        assert missing.value.status == 404
+        client.free("m", "r1")
+        client.unregister(7, "m")
+        assert client.loads() == []
