@@ -10,8 +10,11 @@ without a docstring is an error, so the reference cannot silently fall behind th
 `tests/test_docs.py` runs `--check`.
 
 A public name is one without a leading underscore that the module defines itself, plus the
-names it imports and lists in `__all__` on purpose (the client's row types, listed after the
-module's own names). Type variables are typing plumbing and are left out. A constant's
+names it imports and lists in `__all__` on purpose, listed after the module's own names in
+`__all__` order (`dynamo_lite.client` defines nothing itself: it publishes names from private
+modules, which the reference does not mention, and the row types of
+`dynamo_lite.slot_tracker.protocols`). A re-exported constant's docstring is read from its
+defining module. Type variables are typing plumbing and are left out. A constant's
 docstring is the string literal right after its assignment (the convention Sphinx reads). A
 re-exported class without a docstring of its own is described by a bullet "* `Name`: ..." in
 the re-exporting module's docstring.
@@ -24,6 +27,7 @@ import ast
 import dataclasses
 import difflib
 import importlib
+import importlib.util
 import inspect
 import re
 import sys
@@ -45,8 +49,6 @@ PACKAGE = "dynamo_lite"
 FLOW_PAGE = "routing.md"
 FLOW_TITLE = "Routing a request"
 EXAMPLES = ("examples/quickstart.py", "examples/gateway.py")
-# Methods the sync clients forward but replace: `close()` closes the loop as well.
-NOT_FORWARDED = frozenset({"aclose"})
 SHORT_VALUE = 60  # a constant's value is shown when its repr is at most this long
 DIFF_LINES = 40  # lines of diff `--check` prints at most
 
@@ -132,22 +134,42 @@ def public_entries(module: ModuleType) -> list[Entry]:
                     doc = inspect.cleandoc(following.value.value)
                 entries.append(Entry(name, obj, "constant", doc))
         elif isinstance(node, ast.ImportFrom):
+            source = importlib.util.resolve_name("." * node.level + (node.module or ""), module.__package__)
             for alias in node.names:
                 name = alias.asname or alias.name
                 if name in exported:
                     obj = getattr(module, name)
                     kind = "class" if isinstance(obj, type) else "function" if callable(obj) else "constant"
-                    if kind == "constant":  # an int has no __module__: the import says where it is defined
-                        source = importlib.import_module("." * node.level + (node.module or ""), module.__package__)
-                        defined = {entry.name: entry for entry in public_entries(source)}[alias.name]
-                        reexports.append(Entry(name, obj, kind, defined.doc, source.__name__))
-                        continue
-                    reexports.append(Entry(name, obj, kind, own_doc(obj) or bullet_doc(module, name), obj.__module__))
-    entries += reexports
+                    doc = own_doc(obj) if kind != "constant" else constant_doc(source, alias.name)
+                    home = getattr(obj, "__module__", source)
+                    reexports.append(Entry(name, obj, kind, doc or bullet_doc(module, name),
+                                           None if is_private(home) else home))
+    order = list(getattr(module, "__all__", ()))
+    entries += sorted(reexports, key=lambda entry: order.index(entry.name))
     missing = exported - {entry.name for entry in entries}
     if missing:
         raise CannotGenerate(f"{module.__name__}.__all__ names {sorted(missing)}, not defined or imported there")
     return entries
+
+
+def is_private(module_name: str) -> bool:
+    """A module whose names are published by another (`dynamo_lite._client_base`)."""
+    return any(part.startswith("_") for part in module_name.split("."))
+
+
+def constant_doc(module_name: str, name: str) -> str | None:
+    """The string literal right after `name = ...` in the module's source, if there is one."""
+    module = importlib.import_module(module_name)
+    statements = ast.parse(Path(module.__file__).read_text(encoding="utf-8")).body
+    for node, following in zip(statements, statements[1:]):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and (
+            isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            return inspect.cleandoc(following.value.value)
+    return None
 
 
 def in_package(klass: type) -> bool:
@@ -200,25 +222,15 @@ def describe_member(name: str, attribute: Any, klass: type) -> Member | None:
     return Member(name, kind, signature, own_doc(function), klass)
 
 
-def forwarded_class(cls: type) -> type | None:
-    """For a wrapper that forwards attribute access (`_Blocking[AsyncX]`), the class it wraps."""
-    if not any(in_package(klass) and "__getattr__" in vars(klass) for klass in cls.__mro__):
-        return None
-    for base in getattr(cls, "__orig_bases__", ()):
-        for argument in typing.get_args(base):
-            if isinstance(argument, type):
-                return argument
-    return None
-
-
 def instance_attributes(cls: type) -> list[str]:
-    """Public attributes the class's own `__init__` assigns (`self.name = ...`), in order."""
-    init = cls.__dict__.get("__init__")
-    if init is None or dataclasses.is_dataclass(cls):  # a dataclass's fields are its constructor's
+    """Public attributes the `__init__`s of the class and its package bases assign
+    (`self.name = ...`), bases first."""
+    if dataclasses.is_dataclass(cls):  # a dataclass's fields are its constructor's
         return []
-    tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    inits = [k.__dict__["__init__"] for k in reversed(cls.__mro__) if in_package(k) and "__init__" in k.__dict__]
     names: list[str] = []
-    for node in ast.walk(tree):
+    nodes = [node for init in inits for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(init))))]
+    for node in nodes:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
@@ -333,16 +345,6 @@ def render_class(entry: Entry, module: ModuleType, missing: list[str]) -> list[s
     if attributes:
         lines += ["Attributes: " + ", ".join(f"`{name}`" for name in attributes) + ".", ""]
     members = class_members(cls)
-    wrapped = forwarded_class(cls)
-    if wrapped is not None:
-        own = {member.name for member in members}
-        names = [m.name for m in class_members(wrapped) if m.name not in own and m.name not in NOT_FORWARDED]
-        lines += [
-            f"Blocking forms of the methods of [`{wrapped.__name__}`](#{anchor(wrapped.__name__)}), with the same "
-            "arguments, each returning its result instead of an awaitable: "
-            + ", ".join(f"`{name}`" for name in names) + ".",
-            "",
-        ]
     for member in members:
         where = f"{module.__name__}.{entry.name}.{member.name}"
         prefix = {"async method": "async ", "classmethod": "classmethod ", "staticmethod": "staticmethod ",

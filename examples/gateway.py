@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from dynamo_lite.cli import HelpFormatter
-from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError
+from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceStatusError, TransportError
 from dynamo_lite.routing import KvRouter, NoWorkerAvailable, RequestHandle, RouterConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return asyncio.run(run(args.slot_tracker, args.indexer, args.model_name, args.first_worker_id))
-    except ServiceCallError as error:  # a refused connection, or a service's answer to a call it refused
+    except TransportError as error:  # no answer: the service is down or the URL is wrong
+        print(f"gateway.py: cannot reach a service: {error}", file=sys.stderr)
+        return 1
+    except ServiceStatusError as error:  # the service's answer to a call it refused (409: ids in use)
         print(f"gateway.py: {error}", file=sys.stderr)
         return 1
 

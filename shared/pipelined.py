@@ -9,9 +9,9 @@ future: tens of microseconds.
 
 `PipelinedTransport.call` keeps `_Transport.call`'s contract (`dynamo_lite.client`): the decoded
 JSON answer (None for an empty body), `ServiceStatusError` with the status and the service's
-`{"error": ...}` message for a status >= 400, and a `ServiceTransportError` (status 0) for no
-answer at all: `ServiceConnectError` (refused), `ServiceTimeoutError`, or the connection reset.
-Plain `http://` only; use the httpx transport for anything else.
+`{"error": ...}` message for a status >= 400, and a `TransportError` for no answer at all
+(`ConnectError` when no connection opens, `CallTimeout` past the timeout). Plain `http://`
+only; use the httpx transport for anything else.
 
 Calls spread over up to `connections` connections, each carrying several pipelined requests;
 a connection is opened when needed and reopened after it is lost. A call that was written to a
@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import httptools
 import orjson
 
-from .client import ServiceConnectError, ServiceStatusError, ServiceTimeoutError, ServiceTransportError
+from ._client_base import CallTimeout, ConnectError, TransportError, status_error
 
 _JSON_HEADERS = b"content-type: application/json\r\n"
-TIMED_OUT = "timed out"  # the reason a call failed with ServiceTimeoutError
 
 
 class _Pending:
@@ -64,7 +63,7 @@ class _Connection(asyncio.Protocol):
     # --- asyncio.Protocol -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # a TCP connection's: it reads and writes
+        self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -115,18 +114,17 @@ class _Connection(asyncio.Protocol):
 
     def timed_out(self, call: _Pending) -> None:
         if not call.future.done():
-            self._fail(call, TIMED_OUT)
+            self._fail(call, "timed out", CallTimeout)
             self.close()  # the answers behind it can no longer be matched
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
-    def _fail(self, call: _Pending, why: str) -> None:
+    def _fail(self, call: _Pending, why: str, kind: type[TransportError] = TransportError) -> None:
         if call.timer is not None:
             call.timer.cancel()
         if not call.future.done():
-            kind = ServiceTimeoutError if why == TIMED_OUT else ServiceTransportError
             call.future.set_exception(kind(why, method=call.method, path=call.path))
 
     def _fail_all(self, why: str) -> None:
@@ -170,11 +168,7 @@ class PipelinedTransport:
         await self._send(call)
         status, answer = await call.future
         if status >= 400:
-            try:
-                message = orjson.loads(answer)["error"]
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                message = answer.decode("utf-8", "replace") or str(status)
-            raise ServiceStatusError(status, message, method=method, path=path)
+            raise status_error(status, answer, method, path)
         return orjson.loads(answer) if answer else None
 
     async def aclose(self) -> None:
@@ -204,7 +198,7 @@ class PipelinedTransport:
         and every open one is busy. One connection opens at a time: calls that arrive meanwhile
         wait for it (or take a busy one) rather than opening one each."""
         if self._closed:
-            call.future.set_exception(ServiceTransportError("the client is closed", method=call.method, path=call.path))
+            call.future.set_exception(TransportError("the client is closed", method=call.method, path=call.path))
             return None
         best = min(self._connections, key=lambda c: len(c.pending), default=None)
         if best is not None and (not best.pending or len(self._connections) >= self.max_connections
@@ -219,7 +213,8 @@ class PipelinedTransport:
             if best is not None:
                 return best
             if not call.future.done():
-                call.future.set_exception(ServiceConnectError(
+                kind = CallTimeout if isinstance(exc, asyncio.TimeoutError) else ConnectError
+                call.future.set_exception(kind(
                     f"cannot connect to {self.host}:{self.port}: {type(exc).__name__}: {exc}",
                     method=call.method, path=call.path))
             return None

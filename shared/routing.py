@@ -276,8 +276,9 @@ class KvRouter:
     ) -> Decision:
         """Query both services concurrently and pick a rank. Overrides apply to this call only.
 
-        Raises `NoWorkerAvailable` when no rank of the model is registered or all are busy,
-        and `ServiceCallError` when a service cannot be reached or answers another error.
+        Raises `NoWorkerAvailable` when no rank of the model is registered or all are busy, a
+        `TransportError` when a service cannot be reached, and a `ServiceStatusError` when one
+        answers another error (both are `ServiceCallError`s).
         """
         config = self.config
         if overlap_score_weight is not None or router_temperature is not None:
@@ -287,9 +288,10 @@ class KvRouter:
                 router_temperature=config.router_temperature if router_temperature is None else router_temperature,
             )
         started = time.perf_counter()
-        overlap_task = self._cached_tokens(model_name, tenant_id, local_hashes)
-        loads_task = self._potential_loads(model_name, tenant_id, sequence_hashes)
-        cached, loads = await asyncio.gather(overlap_task, loads_task)
+        cached, loads = await asyncio.gather(
+            self._cached_tokens(model_name, tenant_id, local_hashes),
+            self._potential_loads(model_name, tenant_id, sequence_hashes),
+        )
         lookup_secs = time.perf_counter() - started
         costs = score_ranks(loads, cached, isl_tokens, self.block_size, config)
         chosen = choose(costs, config.router_temperature, self.rng)
@@ -356,12 +358,13 @@ class KvRouter:
         try:
             return await self.slot_tracker.potential_loads(model_name, sequence_hashes, 0, tenant_id=tenant_id)
         except ServiceStatusError as error:
-            if error.status == 404:  # the slot tracker knows no worker of this model: nothing to route to
-                raise NoWorkerAvailable(
-                    f"no rank can take the request: no worker of model {model_name!r} (tenant {tenant_id!r}) "
-                    "is registered with the slot tracker"
-                ) from error
-            raise
+            if error.status != 404:
+                raise
+            # The slot tracker knows no worker of this model: nothing registered to route to.
+            raise NoWorkerAvailable(
+                f"no rank can take the request: no worker of model {model_name!r} (tenant {tenant_id!r}) "
+                "is registered with the slot tracker"
+            ) from error
 
     async def _cached_tokens(
         self, model_name: str, tenant_id: str, local_hashes: Sequence[int]

@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from dynamo_lite.client import (
     AsyncIndexerClient,
     AsyncSlotTrackerClient,
+    CallTimeout,
+    ConnectError,
     IndexerClient,
     PotentialLoad,
     RankLoad,
     ServiceCallError,
-    ServiceConnectError,
     ServiceStatusError,
-    ServiceTimeoutError,
-    ServiceTransportError,
     SlotTrackerClient,
+    TransportError,
     WorkerInfo,
 )
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def in_process(app) -> httpx.AsyncClient:
@@ -60,27 +65,10 @@ def test_async_slot_tracker_client_round_trip() -> None:
 
 
 def test_transport_failures_are_service_call_errors() -> None:
-    with SlotTrackerClient("http://127.0.0.1:9", timeout=0.5) as client, pytest.raises(ServiceConnectError) as failure:
+    with SlotTrackerClient("http://127.0.0.1:9", timeout=0.5) as client, pytest.raises(ServiceCallError) as failure:
         client.loads()
     assert failure.value.status == 0
-    assert isinstance(failure.value, ServiceTransportError) and isinstance(failure.value, ServiceCallError)
-
-
-def test_an_answer_that_never_comes_is_a_timeout() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (the backlog), never answers
-        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        with SlotTrackerClient(url, timeout=0.3) as client, pytest.raises(ServiceTimeoutError) as failure:
-            client.loads()
-    assert failure.value.status == 0 and failure.value.path == "/loads"
-
-
-def test_error_answers_are_status_errors() -> None:
-    with SlotTrackerClient(base_url="http://tracker") as client:
-        client._async._transport._client = httpx.AsyncClient(  # the app in process, no server
-            transport=httpx.ASGITransport(app=create_slot_tracker()), base_url="http://tracker")
-        with pytest.raises(ServiceStatusError) as failure:
-            client.unregister(7, "m")
-    assert failure.value.status == 404 and not isinstance(failure.value, ServiceTransportError)
+    assert isinstance(failure.value, ConnectError) and failure.value.path == "/loads"
 
 
 def test_async_indexer_client_round_trip() -> None:
@@ -121,17 +109,67 @@ def test_async_indexer_client_round_trip() -> None:
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize(("sync_class", "async_class"), [(SlotTrackerClient, AsyncSlotTrackerClient),
-                                                         (IndexerClient, AsyncIndexerClient)])
-def test_the_sync_clients_have_the_async_clients_methods_and_signatures(sync_class: type, async_class: type) -> None:
-    """The sync clients are written out (typed for IDEs and mypy): each public coroutine method of
-    the async client has a sync twin with the same parameters, defaults and return type."""
-    def methods(cls: type, coroutines: bool) -> dict[str, inspect.Signature]:
-        return {name: inspect.signature(function) for name, function in inspect.getmembers(cls, inspect.isfunction)
-                if not name.startswith("_") and inspect.iscoroutinefunction(function) == coroutines}
+def test_errors_split_as_httpx_does_under_service_call_error() -> None:
+    assert issubclass(ServiceStatusError, ServiceCallError) and issubclass(TransportError, ServiceCallError)
+    assert issubclass(ConnectError, TransportError) and issubclass(CallTimeout, TransportError)
+    assert not issubclass(ServiceStatusError, TransportError)
 
-    wanted = {name: signature for name, signature in methods(async_class, True).items() if name != "aclose"}
-    got = methods(sync_class, False)
-    assert set(wanted) <= set(got), set(wanted) - set(got)
-    for name, signature in wanted.items():
-        assert str(got[name]) == str(signature), name
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/loads":
+            raise httpx.ReadTimeout("slow", request=request)
+        if request.url.path == "/workers":
+            raise httpx.RemoteProtocolError("cut", request=request)
+        return httpx.Response(503, json={"error": "not ready"})
+
+    mock = httpx.Client(base_url="http://service", transport=httpx.MockTransport(answer))
+    with SlotTrackerClient(client=mock) as client:
+        with pytest.raises(CallTimeout) as slow:
+            client.loads()
+        assert slow.value.status == 0 and "ReadTimeout: slow" in slow.value.message
+        with pytest.raises(TransportError) as cut:
+            client.workers()
+        assert type(cut.value) is TransportError and cut.value.method == "GET"
+        with pytest.raises(ServiceStatusError) as refused:
+            client.free("m", "r")
+        assert (refused.value.status, refused.value.message, refused.value.path) == (503, "not ready", "/free")
+        assert str(refused.value) == "POST /free -> 503: not ready"
+    mock.close()
+
+
+def test_sync_clients_are_generated_from_the_async_source() -> None:
+    result = subprocess.run([sys.executable, "scripts/generate_sync_client.py", "--check"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("sync, async_", [(SlotTrackerClient, AsyncSlotTrackerClient),
+                                          (IndexerClient, AsyncIndexerClient)])
+def test_sync_clients_have_every_async_method_as_a_typed_function(sync: type, async_: type) -> None:
+    routes = [name for name, value in inspect.getmembers(async_, inspect.iscoroutinefunction)
+              if not name.startswith("_")]
+    assert "health" in routes and "aclose" in routes
+    for name in routes:
+        method = getattr(sync, "close" if name == "aclose" else name)  # on the class: no forwarding
+        assert inspect.isfunction(method) and not inspect.iscoroutinefunction(method), name
+        expected = inspect.signature(getattr(async_, name))
+        # The same parameters with the same annotations; httpx.AsyncClient -> httpx.Client aside.
+        assert inspect.signature(method) == expected, name
+        assert (method.__doc__ or "").strip(), name
+    sync_init, async_init = inspect.signature(sync).parameters, inspect.signature(async_).parameters
+    assert set(async_init) - set(sync_init) == {"pipelined"} and sync_init["client"].annotation == "httpx.Client | None"
+
+
+def test_sync_slot_tracker_client_round_trip() -> None:
+    with TestClient(create_slot_tracker(), base_url="http://service") as http, \
+            SlotTrackerClient(client=http) as client:
+        client.health()
+        client.register(7, "m", 16, dp_size=2)
+        client.add("m", "r1", 7, 1, [1, 2, 3], 48)
+        assert client.loads() == [RankLoad("m", "default", 7, 0, 0, 0), RankLoad("m", "default", 7, 1, 48, 3)]
+        assert client.workers() == [WorkerInfo(7, "m", "default", 16, 0, 2)]
+        with pytest.raises(ServiceStatusError) as missing:
+            client.potential_loads("other", [1])
+        assert missing.value.status == 404
+        client.free("m", "r1")
+        client.unregister(7, "m")
+        assert client.loads() == []

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from reference_server import free_port, running_service
 
-from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError
+from dynamo_lite.client import AsyncSlotTrackerClient, CallTimeout, ConnectError, ServiceCallError, ServiceStatusError
 from dynamo_lite.pipelined import PipelinedTransport
 
 
@@ -31,6 +31,7 @@ def test_same_answers_and_errors_as_httpx(slot_tracker: str) -> None:
             with pytest.raises(ServiceCallError) as missing:
                 await client.add("m", "x", 99, 0, [1], 1)
             assert missing.value.status == 404 and "worker" in missing.value.message.lower()
+            assert isinstance(missing.value, ServiceStatusError)
             with pytest.raises(ServiceCallError) as bad:
                 await client._transport.call("POST", "/add", {"model_name": 3})
             assert bad.value.status in (400, 422) and bad.value.path == "/add"
@@ -60,6 +61,7 @@ def test_no_service_is_status_0() -> None:
         with pytest.raises(ServiceCallError) as refused:
             await transport.call("GET", "/loads")
         assert refused.value.status == 0 and "connect" in refused.value.message
+        assert isinstance(refused.value, ConnectError)
 
     asyncio.run(scenario())
 
@@ -110,6 +112,7 @@ def test_an_answer_that_never_comes_times_out_as_status_0() -> None:
         with pytest.raises(ServiceCallError) as slow:
             await transport.call("POST", "/free", {"request_id": "x"})
         assert slow.value.status == 0 and "timed out" in slow.value.message
+        assert isinstance(slow.value, CallTimeout)
         await transport.aclose()
         server.close()
 

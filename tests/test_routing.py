@@ -6,9 +6,10 @@ import math
 import random
 from collections import Counter
 
+import httpx
 import pytest
 
-from dynamo_lite.client import PotentialLoad
+from dynamo_lite.client import ConnectError, PotentialLoad, ServiceStatusError
 from dynamo_lite.routing import NoWorkerAvailable, RankCost, RouterConfig, choose, score_ranks
 
 BLOCK = 16
@@ -88,6 +89,41 @@ def test_select_for_a_model_nobody_registered_raises_no_worker_available() -> No
             local, chained = router.hashes_for(list(range(64)))
             with pytest.raises(NoWorkerAvailable, match="no worker of model 'nobody' .* is registered"):
                 await router.select("nobody", isl_tokens=64, local_hashes=local, sequence_hashes=chained)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("tracker_answer, raised", [
+    ((404, "no worker registered"), NoWorkerAvailable),
+    ((422, "sequence_hashes[0]: expected an integer"), ServiceStatusError),
+    (httpx.ConnectError("refused"), ConnectError),
+])
+def test_select_tells_no_worker_from_a_failed_call_by_the_error_kind(tracker_answer: object, raised: type) -> None:
+    import asyncio
+
+    from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
+    from dynamo_lite.routing import KvRouter
+
+    def tracker(request: httpx.Request) -> httpx.Response:
+        if isinstance(tracker_answer, Exception):
+            raise tracker_answer
+        status, message = tracker_answer
+        return httpx.Response(status, json={"error": message})
+
+    def indexer(request: httpx.Request) -> httpx.Response:  # nothing indexed: a 404 too, not "no worker"
+        return httpx.Response(404, json={"error": "no such model"})
+
+    async def scenario() -> None:
+        async with AsyncSlotTrackerClient(client=httpx.AsyncClient(
+                    base_url="http://tracker", transport=httpx.MockTransport(tracker))) as slot_tracker, \
+                AsyncIndexerClient(client=httpx.AsyncClient(
+                    base_url="http://indexer", transport=httpx.MockTransport(indexer))) as index:
+            router = KvRouter(slot_tracker, index, block_size=BLOCK)
+            with pytest.raises(raised) as failure:
+                await router.select("m", isl_tokens=16, local_hashes=[1], sequence_hashes=[1])
+            assert type(failure.value) is raised
+            if raised is not NoWorkerAvailable:
+                assert failure.value.path == "/potential_loads"
 
     asyncio.run(scenario())
 

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError
+from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError, ServiceStatusError
 
 from .metrics import EppMetrics
 
@@ -228,7 +228,7 @@ class Booking:
             except ServiceCallError as exc:
                 if exc.status in ok_statuses:
                     return True
-                if 400 <= exc.status < 500:
+                if isinstance(exc, ServiceStatusError) and exc.status < 500:
                     self._log.warning("request %s: %s refused: %s", self.request_id, name, exc)
                     self.metrics.lifecycle_failures.labels(name).inc()
                     return False
@@ -281,7 +281,7 @@ class Booking:
                 await tracker.free(self.model, self.request_id, tenant_id=self.tenant_id)
                 return
             except ServiceCallError as exc:
-                if exc.status == 404 or 400 <= exc.status < 500:
+                if isinstance(exc, ServiceStatusError) and exc.status < 500:
                     return  # not active any more (expired, worker gone): nothing to free
                 if loop.time() >= give_up:
                     self._log.error("request %s: /free failed for %.0f s, giving up (the slot tracker's TTL frees it): %s",

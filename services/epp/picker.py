@@ -35,10 +35,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError
+from dynamo_lite.client import (
+    AsyncIndexerClient,
+    AsyncSlotTrackerClient,
+    PotentialLoad,
+    ServiceCallError,
+    ServiceStatusError,
+)
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
 from dynamo_lite.routing import RankCost, RouterConfig, choose, score_ranks
-from dynamo_lite.slot_tracker.protocols import PotentialLoad
 
 from .booking import Booking, BookingTarget, InFlight
 from .metrics import EppMetrics
@@ -290,13 +295,11 @@ class KvPicker:
         return costs, outcome
 
     def _read_overlap(self, result: Any) -> tuple[bool, dict[tuple[int, int], int]]:
-        if isinstance(result, ServiceCallError):
-            if result.status == 404:  # nothing of this model indexed yet: no overlap anywhere
-                self._indexer_state.ok()
-                return True, {}
-            self._indexer_state.failed(result, "by load alone")
-            return False, {}
-        if isinstance(result, Exception):  # an answer that does not read (not JSON, another shape)
+        if isinstance(result, ServiceStatusError) and result.status == 404:
+            self._indexer_state.ok()  # nothing of this model indexed yet: no overlap anywhere
+            return True, {}
+        # A failed call (`ServiceCallError`) or an answer that does not read (not JSON, another shape).
+        if isinstance(result, Exception):
             self._indexer_state.failed(result, "by load alone")
             return False, {}
         if isinstance(result, BaseException):
@@ -305,10 +308,8 @@ class KvPicker:
         return True, result.scores
 
     def _read_loads(self, result: Any, candidates: list[PoolEndpoint]) -> tuple[bool, list[PotentialLoad]]:
-        if isinstance(result, ServiceCallError):
-            self._slot_tracker_state.failed(result, "by overlap and this picker's own in-flight counts")
-            return False, []
-        if isinstance(result, Exception):  # an answer that does not read (not JSON, another shape)
+        # A failed call (`ServiceCallError`) or an answer that does not read (not JSON, another shape).
+        if isinstance(result, Exception):
             self._slot_tracker_state.failed(result, "by overlap and this picker's own in-flight counts")
             return False, []
         if isinstance(result, BaseException):

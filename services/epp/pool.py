@@ -48,7 +48,13 @@ import httpx
 import orjson
 import yaml
 
-from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError
+from dynamo_lite.client import (
+    AsyncIndexerClient,
+    AsyncSlotTrackerClient,
+    ServiceCallError,
+    ServiceStatusError,
+    TransportError,
+)
 from dynamo_lite.integers import U32_MAX, U64_MODULUS
 
 log = logging.getLogger(__name__)
@@ -535,14 +541,15 @@ def indexer_rank(ep: PoolEndpoint) -> IndexerRank:
                        ep.kv_events_endpoint, ep.replay_endpoint)
 
 
-_TRANSIENT_STATUSES = frozenset({0, 408, 429})
+_TRANSIENT_STATUSES = frozenset({408, 429})
 
 
 def _transient(exc: BaseException) -> bool:
-    """True when the call did not reach a service able to answer (retry later)."""
-    if isinstance(exc, ServiceCallError):
+    """True when the call did not reach a service able to answer (retry later): no answer
+    (`TransportError`), 408, 429, 5xx, or an answer that does not read."""
+    if isinstance(exc, ServiceStatusError):
         return exc.status in _TRANSIENT_STATUSES or exc.status >= 500
-    return isinstance(exc, (httpx.HTTPError, OSError, orjson.JSONDecodeError, asyncio.TimeoutError))
+    return isinstance(exc, (TransportError, httpx.HTTPError, OSError, orjson.JSONDecodeError, asyncio.TimeoutError))
 
 
 _SERVICE_ERRORS = (ServiceCallError, httpx.HTTPError, OSError, orjson.JSONDecodeError, asyncio.TimeoutError)
@@ -640,7 +647,7 @@ class PoolRegistrar:
         except _SERVICE_ERRORS as exc:
             if _transient(exc):
                 return False
-            if not (isinstance(exc, ServiceCallError) and exc.status == 409):
+            if not (isinstance(exc, ServiceStatusError) and exc.status == 409):
                 self._conflict((SLOT_TRACKER, worker.identity), f"slot tracker refused to register {worker.describe()}: {exc}")
                 return False
             try:
@@ -676,7 +683,7 @@ class PoolRegistrar:
         except _SERVICE_ERRORS as exc:
             if _transient(exc):
                 return False
-            if not (isinstance(exc, ServiceCallError) and exc.status == 409):
+            if not (isinstance(exc, ServiceStatusError) and exc.status == 409):
                 self._conflict((INDEXER, rank.identity), f"indexer refused to register {rank.describe()}: {exc}")
                 return False
             try:
@@ -710,7 +717,7 @@ class PoolRegistrar:
                 worker.worker_id, worker.model, tenant_id=worker.tenant_id
             ))
         except _SERVICE_ERRORS as exc:
-            if isinstance(exc, ServiceCallError) and exc.status == 404:
+            if isinstance(exc, ServiceStatusError) and exc.status == 404:
                 return True
             if not _transient(exc):
                 log.error("slot tracker refused to unregister %s: %s", worker.describe(), exc)
@@ -725,7 +732,7 @@ class PoolRegistrar:
                 rank.worker_id, rank.model, tenant_id=rank.tenant_id, dp_rank=rank.dp_rank
             ))
         except _SERVICE_ERRORS as exc:
-            if isinstance(exc, ServiceCallError) and exc.status == 404:
+            if isinstance(exc, ServiceStatusError) and exc.status == 404:
                 return True
             if not _transient(exc):
                 log.error("indexer refused to unregister %s: %s", rank.describe(), exc)

@@ -43,6 +43,7 @@ from dynamo_lite.client import (
     AsyncIndexerClient,
     AsyncSlotTrackerClient,
     ServiceCallError,
+    ServiceStatusError,
 )
 from dynamo_lite.hashing import to_signed_list
 
@@ -214,7 +215,7 @@ class Simulation:
             call, worker = self._registered.pop()
             try:
                 await call(worker, self.model_name)
-            except ServiceCallError as exc:
+            except ServiceStatusError as exc:
                 if exc.status != 404:
                     raise
 

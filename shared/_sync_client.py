@@ -1,0 +1,264 @@
+"""The sync clients' route methods. Generated from _async_client.py: do not edit.
+
+Change `shared/_async_client.py`, then run `python scripts/generate_sync_client.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ._client_base import DEFAULT_TENANT, OverlapScores, _ServiceClient, filters
+from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
+
+
+class SlotTrackerClient(_ServiceClient):
+    """Client of the slot tracker (active requests and load per rank): one method per route.
+
+    Use it as `with SlotTrackerClient(url) as tracker:`, or call `close()` at the
+    end. Without a `base_url` it calls `DEFAULT_URL`; the constructor's other arguments are the
+    same for every client (see `dynamo_lite.client`).
+    """
+
+    DEFAULT_URL = "http://127.0.0.1:8091"
+
+    def register(
+        self,
+        worker_id: int,
+        model_name: str,
+        block_size: int,
+        *,
+        dp_start: int = 0,
+        dp_size: int = 1,
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> None:
+        """Register a worker with the DP ranks `dp_start` .. `dp_start + dp_size - 1`.
+
+        The first worker of a (model, tenant) fixes its `block_size`; 409 if the worker is
+        already registered or the block size differs.
+        """
+        self._transport.call("POST", "/register", {
+            "worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id,
+            "block_size": block_size, "dp_start": dp_start, "dp_size": dp_size,
+        })
+
+    def unregister(self, worker_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """Remove a worker with its ranks and their active requests; 404 if it is not registered."""
+        self._transport.call(
+            "POST", "/unregister", {"worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id}
+        )
+
+    def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
+        """The registered workers, optionally of one model and/or tenant only."""
+        items = self._transport.call("GET", "/workers", params=filters(model_name, tenant_id))
+        return [WorkerInfo(**item) for item in items]
+
+    def add(
+        self,
+        model_name: str,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        sequence_hashes: Sequence[int],
+        new_isl_tokens: int = 0,
+        *,
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> None:
+        """Book a request on a rank: its prompt's chained `sequence_hashes` and the
+        `new_isl_tokens` still to prefill count in that rank's load until `free()`.
+
+        404 if the model or the rank is unknown (the worker left: route again), 409 if the
+        request id is already active.
+        """
+        self._transport.call("POST", "/add", {
+            "model_name": model_name, "tenant_id": tenant_id, "request_id": request_id,
+            "worker_id": worker_id, "dp_rank": dp_rank, "sequence_hashes": list(sequence_hashes),
+            "new_isl_tokens": new_isl_tokens,
+        })
+
+    def prefill_complete(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """The request produced its first token: its prompt tokens stop counting as prefill load."""
+        self._transport.call(
+            "POST", "/prefill_complete", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
+        )
+
+    def output_blocks(
+        self, model_name: str, request_id: str, output_blocks: int, *, tenant_id: str = DEFAULT_TENANT
+    ) -> None:
+        """The request has generated `output_blocks` full blocks so far (send it every `block_size`
+        tokens): they count in its rank's decode blocks until `free()`.
+
+        An absolute count, so a retry is harmless; 409 if it is smaller than the last one sent,
+        404 if the request is not active (freed, expired, or its worker left).
+        """
+        self._transport.call("POST", "/output_blocks", {
+            "model_name": model_name, "tenant_id": tenant_id, "request_id": request_id,
+            "output_blocks": output_blocks,
+        })
+
+    def free(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """The request ended: drop it from its rank's load. Idempotent, so safe to retry."""
+        self._transport.call(
+            "POST", "/free", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
+        )
+
+    def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[RankLoad]:
+        """Current load of every rank (idle ones too), optionally of one model and/or tenant."""
+        items = self._transport.call("GET", "/loads", params=filters(model_name, tenant_id))
+        return [RankLoad(**item) for item in items]
+
+    def potential_loads(
+        self,
+        model_name: str,
+        sequence_hashes: Sequence[int],
+        new_isl_tokens: int = 0,
+        *,
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> list[PotentialLoad]:
+        """Each rank's load if this request were added there, without booking it.
+
+        With `new_isl_tokens=0`, `potential_prefill_tokens` is the rank's active prefill, as
+        `KvRouter` asks. 404 if no worker of the model is registered.
+        """
+        items = self._transport.call("POST", "/potential_loads", {
+            "model_name": model_name, "tenant_id": tenant_id,
+            "sequence_hashes": list(sequence_hashes), "new_isl_tokens": new_isl_tokens,
+        })
+        return [PotentialLoad(**item) for item in items]
+
+    def dump(self) -> dict[str, Any]:
+        """The whole state as a versioned document: every partition's workers and active requests
+        with the TTL each has left, what `--snapshot` files hold and `--peers` start-up loads."""
+        document: dict[str, Any] = self._transport.call("GET", "/dump")
+        return document
+
+
+class IndexerClient(_ServiceClient):
+    """Client of the KV-cache indexer (which blocks each rank holds): one method per route.
+
+    Use it as `with IndexerClient(url) as indexer:`, or call `close()` at the end.
+    Without a `base_url` it calls `DEFAULT_URL`; the constructor's other arguments are the same
+    for every client (see `dynamo_lite.client`).
+    """
+
+    DEFAULT_URL = "http://127.0.0.1:8090"
+
+    def register(
+        self,
+        instance_id: int,
+        model_name: str,
+        block_size: int,
+        *,
+        dp_rank: int = 0,
+        tenant_id: str = DEFAULT_TENANT,
+        endpoint: str | None = None,
+        replay_endpoint: str | None = None,
+    ) -> None:
+        """Register one rank; with `endpoint` (the engine's ZMQ KV-event publisher) the indexer
+        subscribes to it, and asks `replay_endpoint` for batches it missed."""
+        body: dict[str, Any] = {
+            "instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id,
+            "block_size": block_size, "dp_rank": dp_rank,
+        }
+        if endpoint is not None:
+            body["endpoint"] = endpoint
+        if replay_endpoint is not None:
+            body["replay_endpoint"] = replay_endpoint
+        self._transport.call("POST", "/register", body)
+
+    def unregister(
+        self, instance_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT, dp_rank: int | None = None
+    ) -> None:
+        """Remove one rank, or every rank of the instance when `dp_rank` is None, with their blocks."""
+        body: dict[str, Any] = {"instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id}
+        if dp_rank is not None:
+            body["dp_rank"] = dp_rank
+        self._transport.call("POST", "/unregister", body)
+
+    def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        """The known instances with, per rank, its block counts, event watermark and subscription."""
+        instances: list[dict[str, Any]] = self._transport.call("GET", "/workers", params=filters(model_name, tenant_id))
+        return instances
+
+    def events(self, document: dict[str, Any]) -> dict[str, Any]:
+        """Post a `/dump`-shaped document of RouterEvents; returns the ingest report."""
+        report: dict[str, Any] = self._transport.call("POST", "/events", document)
+        return report
+
+    def query_by_hash(
+        self, model_name: str, block_hashes: Sequence[int], *, tenant_id: str = DEFAULT_TENANT
+    ) -> OverlapScores:
+        """Cached tokens per rank for a prompt given as its local block hashes (signed i64).
+
+        404 if nothing is registered or cached for the model yet.
+        """
+        body = self._transport.call("POST", "/query_by_hash", {
+            "model_name": model_name, "tenant_id": tenant_id, "block_hashes": list(block_hashes),
+        })
+        return OverlapScores.from_json(body)
+
+    def query(
+        self,
+        model_name: str,
+        token_ids: Sequence[int],
+        *,
+        tenant_id: str = DEFAULT_TENANT,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> OverlapScores:
+        """`query_by_hash` for a prompt given as token ids: the indexer hashes its full blocks."""
+        body: dict[str, Any] = {"model_name": model_name, "tenant_id": tenant_id, "token_ids": list(token_ids)}
+        if lora_name is not None:
+            body["lora_name"] = lora_name
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return OverlapScores.from_json(self._transport.call("POST", "/query", body))
+
+    def routed(
+        self,
+        instance_id: int,
+        model_name: str,
+        block_hashes: Sequence[int] | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        dp_rank: int = 0,
+        tenant_id: str = DEFAULT_TENANT,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """Record that a prompt was routed to this rank (approximate indexing, for engines that
+        publish no KV events): its blocks count for the rank for the indexer's TTL. Give the
+        prompt as local block hashes (signed i64, as for `query_by_hash`) or as `token_ids`
+        (with `lora_name` / `cache_salt`), exactly one of the two. Returns `{"recorded",
+        "new", "evicted"}`; 404 if the partition is unknown."""
+        body: dict[str, Any] = {
+            "instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id, "dp_rank": dp_rank,
+        }
+        if block_hashes is not None:
+            body["block_hashes"] = list(block_hashes)
+        if token_ids is not None:
+            body["token_ids"] = list(token_ids)
+        if lora_name is not None:
+            body["lora_name"] = lora_name
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        report: dict[str, Any] = self._transport.call("POST", "/routed", body)
+        return report
+
+    def dump(self) -> dict[str, Any]:
+        """The whole index as an events document, which `events()` on another indexer ingests."""
+        document: dict[str, Any] = self._transport.call("GET", "/dump")
+        return document
+
+    def peers(self) -> list[str]:
+        """The base URLs of the peer indexers this indexer knows (`--peers`, `register_peer`)."""
+        urls: list[str] = self._transport.call("GET", "/peers")
+        return urls
+
+    def register_peer(self, url: str) -> None:
+        """Add a peer indexer's base URL to the list `peers()` returns."""
+        self._transport.call("POST", "/register_peer", {"url": url})
+
+    def deregister_peer(self, url: str) -> None:
+        """Remove a peer indexer's base URL; 404 if it is not in the list."""
+        self._transport.call("POST", "/deregister_peer", {"url": url})
