@@ -550,7 +550,7 @@ class Outcomes:
             waiter.cancel()
 
 
-def snapshot_due(stored: _SnapshotTag, stream_id: str, applied_sequence: int, settings: StreamSettings,
+def snapshot_due(stored: SnapshotTag, stream_id: str, applied_sequence: int, settings: StreamSettings,
                  now: float) -> bool:
     """Whether a replica that applied up to `applied_sequence` of the stream `stream_id` should
     replace the stored snapshot `stored` (its tag) at Unix time `now`."""
@@ -562,18 +562,18 @@ def snapshot_due(stored: _SnapshotTag, stream_id: str, applied_sequence: int, se
     return ahead >= settings.snapshot_threshold or now - stored.time >= settings.snapshot_interval_secs
 
 
-class _SnapshotTag(NamedTuple):
+class SnapshotTag(NamedTuple):
     sequence: int  # the last stream message the snapshot covers
     time: float  # Unix time it was written
     stream: str  # the incarnation of the stream it was taken of
 
 
-def _parse_description(description: str | None) -> _SnapshotTag:
+def _parse_description(description: str | None) -> SnapshotTag:
     fields = dict(part.partition("=")[::2] for part in (description or "").split())
     try:
-        return _SnapshotTag(int(fields.get("sequence", 0)), float(fields.get("time", 0.0)), fields.get("stream", ""))
+        return SnapshotTag(int(fields.get("sequence", 0)), float(fields.get("time", 0.0)), fields.get("stream", ""))
     except ValueError:
-        return _SnapshotTag(0, 0.0, "")
+        return SnapshotTag(0, 0.0, "")
 
 
 def _incarnation(info: StreamInfo) -> str:
