@@ -19,8 +19,8 @@ replica B (CPU 1, with nats-server) applies what A published. Measured:
 
 The prototype stays here (not adopted: see docs/replicas.md). It publishes A's outbox as one
 message per batch (as today), pipelined: each published with a reply subject of its own, the
-answers waiting for its PubAck; B pulls with one pull request of up to 512 messages at a time,
-as the indexer's `StreamReplica` does, and applies each op to its tracker in stream order.
+answers waiting for its PubAck; B pulls with the indexer's `pull.Puller` (one pull request of up
+to 512 messages at a time) and applies each op to its tracker in stream order.
 Configurations alternate over `--rounds`; each row is the median of its rounds.
 """
 
@@ -40,8 +40,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
-import orjson
 
+from dynamo_lite.indexer.jetstream import APPLY_SLICE_SECS, FETCH_BATCH, FETCH_TIMEOUT_SECS
+from dynamo_lite.indexer.pull import Puller
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.nats_sync import NatsReplication, NatsSettings
 from dynamo_lite.slot_tracker.replication import Add, Batch, Free, Op, PrefillComplete, Replica, Tag
@@ -52,7 +53,6 @@ MODEL = "lifecycle"
 TENANT = "default"
 LANES = 64
 A_CPU, B_CPU = 0, 1
-FETCH_BATCH = 512
 
 
 def _pin(cpu: int) -> None:
@@ -279,7 +279,7 @@ def follower_today(url: str, prefix: str, pipe: Connection) -> None:
 
 async def _consume(client: Any, stream: str, durable: str, apply: Callable[[Op], None]) -> asyncio.Task[None]:
     """Create `stream` if needed and a consumer `durable` from its next message; pull forever
-    (one pull request of up to FETCH_BATCH messages at a time), handing each op to `apply`."""
+    with the indexer's `Puller`, handing each op to `apply`."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
     js = client.jetstream()
@@ -288,37 +288,20 @@ async def _consume(client: Any, stream: str, durable: str, apply: Callable[[Op],
     except Exception:  # noqa: BLE001 - the other replica created it first
         pass
     await js.add_consumer(stream, ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.NEW,
-                                                 ack_policy=AckPolicy.NONE))
+                                                 ack_policy=AckPolicy.ALL, max_ack_pending=-1))
     decoder = msgspec.msgpack.Decoder(Batch)
-    done = asyncio.Event()
-    pulled = 0
 
-    async def on_message(message: Any) -> None:
-        nonlocal pulled
-        if message.headers and message.headers.get("Status"):
-            if message.headers["Status"] != "100":
-                done.set()
-            return
+    def apply_message(message: Any) -> None:
         for op in decoder.decode(message.data).ops:
             apply(op)
-        pulled += 1
-        if pulled >= FETCH_BATCH:
-            done.set()
 
-    inbox = client.new_inbox()
-    await client.subscribe(inbox, cb=on_message)
-    request = orjson.dumps({"batch": FETCH_BATCH, "expires": int(0.5e9)})
+    puller = Puller(client, stream, durable, apply_message, batch=FETCH_BATCH, expires_secs=FETCH_TIMEOUT_SECS,
+                    slice_secs=APPLY_SLICE_SECS)
+    await puller.subscribe()
 
     async def pull_forever() -> None:
-        nonlocal pulled
         while True:
-            done.clear()
-            pulled = 0
-            await client.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", request, reply=inbox)
-            try:
-                await asyncio.wait_for(done.wait(), 2.0)
-            except asyncio.TimeoutError:
-                pass
+            await puller.pull()
 
     return asyncio.create_task(pull_forever())
 

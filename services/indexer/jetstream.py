@@ -41,7 +41,6 @@ from typing import Final, NamedTuple
 
 import nats.errors
 import nats.js.errors
-import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -63,6 +62,7 @@ from dynamo_lite.snapshots import SnapshotError
 from . import replication
 from .core import Indexer
 from .listeners import Listeners, Subscription
+from .pull import Puller
 from .replication import Applied, Batch, Reset
 
 logger = logging.getLogger("dynamo_lite.indexer.jetstream")
@@ -145,20 +145,13 @@ class StreamReplica:
         self.lag: int | None = None  # messages in the stream after the last one applied; None: not known yet
         self._js: JetStreamContext | None = None
         self._store: ObjectStore | None = None
-        self._waiters: dict[int, asyncio.Future[Applied]] = {}
-        # What the last registrations did, for `publish_and_apply` (they are rare: a few per worker).
-        self._outcomes: OrderedDict[int, Applied] = OrderedDict()
+        self._outcomes = Outcomes(KEPT_OUTCOMES)
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer_config: ConsumerConfig | None = None
         self._stopping = False
         self._verify_at = 0.0  # loop time of the next look at whether the stream and consumer exist
         self._stream_id = ""  # the incarnation of the stream this replica's sequence numbers are of
-        self._inbox: str | None = None  # where pulled messages arrive (`_on_message`)
-        self._pull_done = asyncio.Event()
-        self._pulled = 0  # messages the current pull request brought
-        self._pull_status: str | None = None  # the status that ended it
-        self._last_pulled: Msg | None = None  # acknowledged (with every one before it) after the request
-        self._slice_started = 0.0
+        self._puller: Puller | None = None
 
     # --- start and stop -----------------------------------------------------------------------
 
@@ -184,8 +177,7 @@ class StreamReplica:
             task.cancel()
         await asyncio.wait(self._tasks, timeout=FETCH_TIMEOUT_SECS * 3)
         logger.debug("shutdown: consumer and snapshot tasks stopped")
-        for waiter in self._waiters.values():
-            waiter.cancel()
+        self._outcomes.cancel()
         if self.client is not None:
             try:
                 # Not drain(): the consumer is stopped, and what this replica published was
@@ -306,10 +298,11 @@ class StreamReplica:
             description="one dynamo_lite indexer replica",
         )
         await self._js.add_consumer(self.settings.stream, self._consumer_config)
-        if self._inbox is None:
+        if self._puller is None:
             assert self.client is not None
-            self._inbox = self.client.new_inbox()
-            await self.client.subscribe(self._inbox, cb=self._on_message)
+            self._puller = Puller(self.client, self.settings.stream, self.name, self._apply, batch=FETCH_BATCH,
+                                  expires_secs=FETCH_TIMEOUT_SECS, slice_secs=APPLY_SLICE_SECS)
+            await self._puller.subscribe()
 
     # --- publishing -----------------------------------------------------------------------------
 
@@ -347,21 +340,14 @@ class StreamReplica:
         depends on the index: a registration may conflict). A replica further behind than the
         publish timeout answers Unavailable, though the write is in the stream and will apply."""
         sequence = await self.publish(kind, data)
-        if sequence <= self.applied_sequence:
-            # The consumer may take the message before this coroutine resumes from the ack.
-            outcome = self._outcomes.get(sequence)
-            if outcome is not None:
-                return outcome
-        waiter = self._waiters[sequence] = asyncio.get_running_loop().create_future()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), self.settings.publish_timeout_secs)
+            return await self._outcomes.wait(sequence, sequence <= self.applied_sequence,
+                                             self.settings.publish_timeout_secs)
         except asyncio.TimeoutError:
             raise Unavailable(
                 f"stored in the stream (seq {sequence}) but not applied by this replica within "
                 f"{self.settings.publish_timeout_secs:g}s (it is {self.lag} messages behind): it will apply; "
                 "do not repeat the call") from None
-        finally:
-            self._waiters.pop(sequence, None)
 
     # The ZMQ listeners' side (`listeners.BatchPublisher`): retried until stored, so a listener
     # waits (and its engine's socket queues) while NATS is unreachable.
@@ -394,62 +380,21 @@ class StreamReplica:
 
     # --- consuming ----------------------------------------------------------------------------
 
-    # Pulling is done here rather than with nats-py's `fetch`, which starts a task and a timer
-    # for every message it hands over (70 us of a replica's CPU per message, measured): one pull
-    # request at a time for up to FETCH_BATCH messages, which arrive at a callback that applies
-    # them as they come. The server ends a request with a status message (408 when it expired
-    # with nothing more to give, 409 when the consumer went away); a request that gets no answer
-    # at all (lost in a reconnection) is abandoned after its expiry plus a margin.
-
     async def _consume(self) -> None:
-        assert self.client is not None
+        """Pull and apply (`pull.Puller`) until stopped; between pull requests, look after the
+        lag and whether the stream and consumer still exist."""
+        assert self.client is not None and self._puller is not None
         loop = asyncio.get_running_loop()
-        request = orjson.dumps({"batch": FETCH_BATCH, "expires": int(FETCH_TIMEOUT_SECS * 1e9)})
         while not self._stopping:
-            self._pull_done.clear()
-            self._pulled = 0
-            self._pull_status = None
-            try:
-                await self.client.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.settings.stream}.{self.name}", request,
-                                          reply=self._inbox or "")  # "": nats-py's "no reply"
-                await asyncio.wait_for(self._pull_done.wait(), FETCH_TIMEOUT_SECS + 2.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - no answer (a disconnection), or cannot publish
-                logger.debug("pull request unanswered: %s: %s", type(exc).__name__, exc)
+            pulled = await self._puller.pull()
+            if not pulled.answered:
                 await asyncio.sleep(RETRY_SECS if not self.client.is_connected else 0)
                 self._verify_at = 0.0
-            last = self._last_pulled
-            if last is not None:
-                self._last_pulled = None
-                try:
-                    await last.ack()
-                except Exception as exc:  # noqa: BLE001 - an ack lost in a disconnection only means redelivery
-                    logger.debug("ack failed: %s", exc)
-            if self._pulled == 0 and self._pull_status in ("404", "408"):
+            if pulled.count == 0 and pulled.status in ("404", "408"):
                 self.lag = 0  # nothing pending: caught up, or the stream is gone (a pull cannot tell)
-            if self._pull_status == "409" or (self._pulled == 0 and loop.time() >= self._verify_at):
+            if pulled.status == "409" or (pulled.count == 0 and loop.time() >= self._verify_at):
                 self._verify_at = loop.time() + VERIFY_SECS
                 await self._resubscribe_if_lost()
-
-    async def _on_message(self, message: Msg) -> None:
-        headers = message.headers
-        if headers is not None and (status := headers.get("Status")) is not None:
-            if status != "100":  # not an idle heartbeat: the request is over
-                self._pull_status = status
-                if status == "409":
-                    logger.warning("pull from stream %s refused: %s", self.settings.stream, headers.get("Description"))
-                self._pull_done.set()
-            return
-        self._apply(message)
-        self._last_pulled = message
-        self._pulled += 1
-        if self._pulled >= FETCH_BATCH:
-            self._pull_done.set()
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._slice_started > APPLY_SLICE_SECS:
-            await asyncio.sleep(0)  # requests get their turn between slices of applying
-            self._slice_started = loop.time()
 
     def _apply(self, message: Msg) -> None:
         metadata = message.metadata
@@ -478,13 +423,7 @@ class StreamReplica:
             self._listen(subscription)
         if applied.unsubscribe:
             self.listeners.stop(applied.unsubscribe)
-        if kind in (replication.REGISTER, replication.UNREGISTER):
-            self._outcomes[sequence] = applied
-            if len(self._outcomes) > KEPT_OUTCOMES:
-                self._outcomes.popitem(last=False)
-        waiter = self._waiters.get(sequence)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(applied)
+        self._outcomes.settle(sequence, applied, keep=kind in (replication.REGISTER, replication.UNREGISTER))
 
     def _listen(self, subscription: Subscription) -> None:
         if self.listeners.get(subscription.key) is None:
@@ -556,14 +495,8 @@ class StreamReplica:
             info = await self._store.get_info(SNAPSHOT_OBJECT)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
             return self.applied_sequence > 0
-        stored = _parse_description(info.description)
-        if stored.stream != self._stream_id:
-            return True  # of an earlier stream
-        stored_sequence, stored_at = stored.sequence, stored.time
-        ahead = self.applied_sequence - stored_sequence
-        if ahead <= 0:
-            return False
-        return ahead >= self.settings.snapshot_threshold or time.time() - stored_at >= self.settings.snapshot_interval_secs
+        return snapshot_due(_parse_description(info.description), self._stream_id, self.applied_sequence,
+                            self.settings, time.time())
 
     async def write_snapshot(self) -> int:
         """Put the index as of now into the object store; returns the sequence it covers."""
@@ -582,18 +515,67 @@ class StreamReplica:
         return snapshot.sequence
 
 
-class _SnapshotTag(NamedTuple):
+class Outcomes:
+    """What applying stream messages did, for the writers waiting on it (`publish_and_apply`):
+    each waiter gets the outcome of its sequence; the last `keep` registrations' outcomes are
+    kept too (they are rare: a few per worker), for a writer the consumer overtook."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._waiters: dict[int, asyncio.Future[Applied]] = {}
+        self._kept: OrderedDict[int, Applied] = OrderedDict()
+
+    def settle(self, sequence: int, applied: Applied, *, keep: bool) -> None:
+        if keep:
+            self._kept[sequence] = applied
+            if len(self._kept) > self.keep:
+                self._kept.popitem(last=False)
+        waiter = self._waiters.get(sequence)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(applied)
+
+    async def wait(self, sequence: int, applied_already: bool, timeout: float) -> Applied:
+        """The outcome of `sequence`; asyncio.TimeoutError when it is not applied within `timeout`."""
+        if applied_already:
+            # The consumer may take the message before the writer resumes from the ack.
+            outcome = self._kept.get(sequence)
+            if outcome is not None:
+                return outcome
+        waiter = self._waiters[sequence] = asyncio.get_running_loop().create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        finally:
+            self._waiters.pop(sequence, None)
+
+    def cancel(self) -> None:
+        for waiter in self._waiters.values():
+            waiter.cancel()
+
+
+def snapshot_due(stored: SnapshotTag, stream_id: str, applied_sequence: int, settings: StreamSettings,
+                 now: float) -> bool:
+    """Whether a replica that applied up to `applied_sequence` of the stream `stream_id` should
+    replace the stored snapshot `stored` (its tag) at Unix time `now`."""
+    if stored.stream != stream_id:
+        return True  # of an earlier stream
+    ahead = applied_sequence - stored.sequence
+    if ahead <= 0:
+        return False
+    return ahead >= settings.snapshot_threshold or now - stored.time >= settings.snapshot_interval_secs
+
+
+class SnapshotTag(NamedTuple):
     sequence: int  # the last stream message the snapshot covers
     time: float  # Unix time it was written
     stream: str  # the incarnation of the stream it was taken of
 
 
-def _parse_description(description: str | None) -> _SnapshotTag:
+def _parse_description(description: str | None) -> SnapshotTag:
     fields = dict(part.partition("=")[::2] for part in (description or "").split())
     try:
-        return _SnapshotTag(int(fields.get("sequence", 0)), float(fields.get("time", 0.0)), fields.get("stream", ""))
+        return SnapshotTag(int(fields.get("sequence", 0)), float(fields.get("time", 0.0)), fields.get("stream", ""))
     except ValueError:
-        return _SnapshotTag(0, 0.0, "")
+        return SnapshotTag(0, 0.0, "")
 
 
 def _incarnation(info: StreamInfo) -> str:
