@@ -27,7 +27,7 @@ from msgspec import UNSET, UnsetType
 from dynamo_lite import http, validation
 from dynamo_lite.auth import Access
 from dynamo_lite.credentials import ClientCredentials
-from dynamo_lite.errors import InvalidArgument, InvalidShape, ServiceError
+from dynamo_lite.errors import InvalidArgument, InvalidShape
 from dynamo_lite.http import HandlerResult, QueryParams
 from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
 
@@ -41,6 +41,7 @@ from .endpoints import EndpointRules
 from .jetstream import StreamReplica, StreamSettings
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
 from .metrics import IndexerCollector, ListenerCollector, ReplicationCollector
+from .partitions import AlreadyRegistered
 from .peers import PeerList, recover
 from .snapshot import Snapshots
 from .protocols import PartitionEvents, decode_events_document
@@ -474,8 +475,6 @@ async def _register_workers(routes: IndexerRoutes, workers: tuple[Subscription, 
     for subscription in workers:
         try:
             await routes.subscribe(subscription)
-        except ServiceError as error:
-            if "already registered" not in error.message:
-                raise
+        except AlreadyRegistered:
             logger.info("worker %d dp_rank %d: already registered by another replica", subscription.worker_id,
                         subscription.dp_rank)
