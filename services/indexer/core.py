@@ -1,9 +1,10 @@
 """All partitions of one indexer process: workers, event-id watermarks and query answers.
 
-A partition is a (model_name, tenant_id) pair with one block size and one `PrefixTree`. It is
-created by the first registration or events document that names it and disappears with its
-last worker, so a query then gets 404 as in Dynamo. An instance id belongs to one partition;
-each of its dp ranks is a worker slot of that partition's tree.
+The partitions, their ranks, instance ownership and the watermarks are `partitions.py`; the
+approximations `approx.py`; the prefix tree of each partition `tree.py`. `Indexer` is the one
+API over them that the shells call. A partition is created by the first registration or events
+document that names it and disappears with its last worker, so a query then gets 404 as in
+Dynamo.
 
 Events documents are validated whole (shape by `parse_events_document`, then block sizes and
 instance ownership here) before anything is applied, so a document is applied completely or
@@ -27,18 +28,27 @@ Errors are `dynamo_lite.errors` kinds only; mapping them to HTTP is the shell's 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any
 
 from dynamo_lite.errors import AlreadyRegistered, Conflict, InvalidArgument, InvalidShape, NotFound
 from dynamo_lite.hashing import local_block_hashes
-from dynamo_lite.indexer.approx import (
-    DEFAULT_MAX_BLOCKS,
-    DEFAULT_TTL_SECS,
-    Approximations,
-    ApproxTotals,
-    RoutedReport,
+from dynamo_lite.indexer.approx import DEFAULT_MAX_BLOCKS, DEFAULT_TTL_SECS, Approximations, ApproxTotals, RoutedReport
+from dynamo_lite.indexer.partitions import (
+    APPROXIMATE,
+    EVENTS,
+    MAX_LISTED,
+    NONE,
+    Gap,
+    Partition,
+    PartitionId,
+    Partitions,
+    Rank,
+    Source,
+    Watermarks,
+    check_block_size,
+    owned_elsewhere,
 )
 from dynamo_lite.indexer.protocols import (
     DEVICE,
@@ -51,37 +61,7 @@ from dynamo_lite.indexer.protocols import (
     parse_events_document,
     partition_key,
 )
-from dynamo_lite.indexer.tree import PrefixTree, StoreStatus, WorkerKey
-
-PartitionId = tuple[str, str]  # (model_name, tenant_id)
-Source = Literal["events", "approximate", "none"]
-EVENTS: Final = "events"
-APPROXIMATE: Final = "approximate"
-NONE: Final = "none"
-
-MAX_LISTED: Final = 100  # rejections / gaps itemised in one report; the counts stay exact
-
-
-@dataclass(slots=True)
-class Rank:
-    source: Source
-    registered: bool = False  # by /register (or --workers), not only seen in events or /routed
-    endpoint: str | None = None
-    last_event_id: int | None = None
-    replay_endpoint: str | None = None
-
-
-@dataclass(slots=True)
-class Partition:
-    model_name: str
-    tenant_id: str
-    block_size: int
-    tree: PrefixTree = field(default_factory=PrefixTree)
-    ranks: dict[WorkerKey, Rank] = field(default_factory=dict)
-    approx: Approximations | None = None  # while some rank has approximations
-
-    def describe(self) -> str:
-        return f"model={self.model_name} tenant_id={self.tenant_id}"
+from dynamo_lite.indexer.tree import StoreStatus, WorkerKey
 
 
 @dataclass(slots=True)
@@ -148,14 +128,6 @@ class Rejection:
 
 
 @dataclass(slots=True)
-class Gap:
-    worker_id: int
-    dp_rank: int
-    expected: int
-    got: int
-
-
-@dataclass(slots=True)
 class ApplyReport:
     """What an events document did. `applied + skipped + rejected` = events in the document."""
 
@@ -185,15 +157,14 @@ class Indexer:
         `approx_ttl_secs`, `approx_max_blocks` (0: unlimited): how long a routed block counts
         for its rank, and how many (rank, block) approximations a partition keeps at most.
         `clock` times the approximations; `wall_clock` dates them in dumps."""
-        self.partitions: dict[PartitionId, Partition] = {}
-        self._owner: dict[int, Partition] = {}  # instance id -> its partition
+        self.registry = Partitions(max_blocks)
+        self.partitions: dict[PartitionId, Partition] = self.registry.by_id  # the same dict, read-only here
         self.max_blocks = max_blocks
         self.approx_ttl_secs = approx_ttl_secs
         self.approx_max_blocks = approx_max_blocks
         self.approx_totals = ApproxTotals()
         self.clock = clock
         self.wall_clock = wall_clock
-        self._evicted_in_dropped = 0  # evictions of partitions that have since disappeared
         # Totals over every `apply_events` call since start-up, for the metrics.
         self.events_applied_total = 0
         self.events_skipped_total = 0
@@ -215,31 +186,26 @@ class Indexer:
         """Add one (instance, dp_rank). A rank first seen in events becomes registered.
         `endpoint` / `replay_endpoint` are recorded only: subscribing is the shell's job."""
         _check_partition_name(tenant_id)
-        owner = self._owner.get(instance_id)
-        if owner is not None and (owner.model_name, owner.tenant_id) != (model_name, tenant_id):
-            raise _registered_elsewhere(instance_id, owner.describe())
-        partition = self._partition_for(model_name, tenant_id, block_size)
+        self.registry.check_owner(instance_id, (model_name, tenant_id))
+        partition = self.registry.get_or_add(model_name, tenant_id, block_size)
         key = (instance_id, dp_rank)
         rank = partition.ranks.get(key)
         if rank is not None and rank.registered:
             raise AlreadyRegistered(f"instance {instance_id} dp_rank {dp_rank} already registered")
         if rank is None:
-            rank = partition.ranks[key] = Rank(NONE)
-            partition.tree.add_worker(key)
+            rank = self.registry.add_rank(partition, key, NONE)
         rank.registered = True
         rank.endpoint = endpoint
         rank.replay_endpoint = replay_endpoint
         if endpoint is not None:
             rank.source = EVENTS  # its engine publishes: the subscription feeds it
-        self.partitions[(model_name, tenant_id)] = partition
-        self._owner[instance_id] = partition
 
     def unregister(
         self, instance_id: int, model_name: str, tenant_id: str, dp_rank: int | None = None
     ) -> list[WorkerKey]:
         """Drop one rank (or all ranks, `dp_rank` None) with all their blocks, on every tier;
         returns the (instance, dp_rank)s dropped."""
-        owner = self._owner.get(instance_id)
+        owner = self.registry.owner(instance_id)
         if owner is None:
             raise NotFound(f"instance {instance_id} not found")
         if (owner.model_name, owner.tenant_id) != (model_name, tenant_id):
@@ -247,21 +213,13 @@ class Indexer:
         doomed = [key for key in owner.ranks if key[0] == instance_id and (dp_rank is None or key[1] == dp_rank)]
         if not doomed:
             raise NotFound(f"instance {instance_id} dp_rank {dp_rank} not found")
-        for key in doomed:
-            del owner.ranks[key]
-            self._forget_approximations(owner, key)
-            owner.tree.drop_worker(key)
-        if not any(key[0] == instance_id for key in owner.ranks):
-            del self._owner[instance_id]
-        if not owner.ranks:
-            del self.partitions[(model_name, tenant_id)]
-            self._evicted_in_dropped += owner.tree.evicted_blocks
+        self.registry.drop_ranks(owner, doomed)
         return doomed
 
     def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
         """Instances sorted by (model_name, tenant_id, instance_id), ranks by dp_rank."""
         result: list[WorkerInfo] = []
-        for partition in self._matching(model_name, tenant_id):
+        for partition in self.registry.matching(model_name, tenant_id):
             tree = partition.tree
             approx = partition.approx
             instances: dict[int, list[RankInfo]] = {}
@@ -287,12 +245,12 @@ class Indexer:
         return result
 
     def block_size(self, model_name: str, tenant_id: str) -> int:
-        return self._existing(model_name, tenant_id).block_size
+        return self.registry.existing(model_name, tenant_id).block_size
 
     @property
     def evicted_blocks_total(self) -> int:
         """Blocks dropped by the `max_blocks` limit since start-up, in every partition."""
-        return self._evicted_in_dropped + sum(p.tree.evicted_blocks for p in self.partitions.values())
+        return self.registry.evicted_in_dropped + sum(p.tree.evicted_blocks for p in self.partitions.values())
 
     def approximate_blocks(self) -> int:
         """(rank, block) approximations held now, in every partition."""
@@ -312,25 +270,21 @@ class Indexer:
         again. An unknown rank of the partition is added (source "approximate"), as `/events`
         adds unknown ranks; an unknown partition is a NotFound (no block size is known for it),
         an instance of another partition a Conflict."""
-        partition = self._existing(model_name, tenant_id)
-        owner = self._owner.get(instance_id)
-        if owner is not None and owner is not partition:
-            raise _registered_elsewhere(instance_id, owner.describe())
+        partition = self.registry.existing(model_name, tenant_id)
+        self.registry.check_owner(instance_id, (model_name, tenant_id))
         if not local_hashes:
             return RoutedReport(0, 0, 0)
         key = (instance_id, dp_rank)
         report = self._approximations(partition).record(partition.tree, key, local_hashes, self.clock())
         if report.recorded:
             self._approximated_rank(partition, key)
-        self._settle(partition)
+        partition.settle()
         return report
 
     def check_routed(self, model_name: str, tenant_id: str, instance_id: int) -> None:
         """Raise what `record_routed` would raise for this rank, changing nothing."""
-        partition = self._existing(model_name, tenant_id)
-        owner = self._owner.get(instance_id)
-        if owner is not None and owner is not partition:
-            raise _registered_elsewhere(instance_id, owner.describe())
+        self.registry.existing(model_name, tenant_id)
+        self.registry.check_owner(instance_id, (model_name, tenant_id))
 
     def hash_tokens(
         self, model_name: str, tenant_id: str, token_ids: Sequence[int], *, lora_name: str | None = None,
@@ -338,7 +292,7 @@ class Indexer:
     ) -> list[int]:
         """A prompt's local block hashes in the partition's block size, as `query_tokens` and
         `record_routed_tokens` compute them."""
-        return self._hash_tokens(self._existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
+        return self._hash_tokens(self.registry.existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
 
     def check_events(self, document: Sequence[PartitionEvents]) -> None:
         """Raise what `apply_events` would raise before applying anything (a block size or
@@ -357,7 +311,7 @@ class Indexer:
         cache_salt: str | None = None,
     ) -> RoutedReport:
         """`record_routed` for a prompt's token ids, hashed as `query_tokens` hashes them."""
-        hashes = self._hash_tokens(self._existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
+        hashes = self._hash_tokens(self.registry.existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
         return self.record_routed(model_name, tenant_id, instance_id, dp_rank, hashes)
 
     def expire_approximations(self) -> int:
@@ -368,35 +322,18 @@ class Indexer:
         for partition in list(self.partitions.values()):
             if partition.approx is not None:
                 expired += partition.approx.expire(partition.tree, now)
-                self._settle(partition)
+                partition.settle()
         return expired
 
     def _approximations(self, partition: Partition) -> Approximations:
-        approx = partition.approx
-        if approx is None:
-            approx = partition.approx = Approximations(self.approx_ttl_secs, self.approx_max_blocks, self.approx_totals)
-        return approx
+        return partition.approximations(self.approx_ttl_secs, self.approx_max_blocks, self.approx_totals)
 
     def _approximated_rank(self, partition: Partition, key: WorkerKey) -> None:
         rank = partition.ranks.get(key)
         if rank is None:
-            partition.ranks[key] = Rank(APPROXIMATE)
-            partition.tree.add_worker(key)
-            self._owner[key[0]] = partition
+            self.registry.add_rank(partition, key, APPROXIMATE)
         elif rank.source == NONE:
             rank.source = APPROXIMATE
-
-    def _forget_approximations(self, partition: Partition, key: WorkerKey) -> None:
-        if partition.approx is not None:
-            partition.approx.forget_rank(partition.tree, key)
-            self._settle(partition)
-
-    def _settle(self, partition: Partition) -> None:
-        """Once no approximation is left, the partition goes back to exact matching only."""
-        approx = partition.approx
-        if approx is not None and not approx.timers:
-            approx.release(partition.tree)
-            partition.approx = None
 
     # --- events -------------------------------------------------------------------------------
 
@@ -442,48 +379,33 @@ class Indexer:
                     f"existing={size}, requested={section.block_size}"
                 )
             if size is None and (section.events or section.approximations or keep_empty):
-                _check_block_size(section.block_size)
+                check_block_size(section.block_size)
                 sizes[pid] = section.block_size
             instance_ids = {event.worker_id for event in section.events}
             instance_ids.update(entry.worker_id for entry in section.approximations)
             for instance_id in instance_ids:
-                owner = self._owner.get(instance_id)
-                other = (owner.model_name, owner.tenant_id) if owner is not None else claimed.get(instance_id)
-                if other is not None and other != pid:
-                    raise _registered_elsewhere(instance_id, f"model={other[0]} tenant_id={other[1]}")
-                claimed[instance_id] = pid
+                self.registry.check_owner(instance_id, pid)
+                other = claimed.setdefault(instance_id, pid)
+                if other != pid:
+                    raise owned_elsewhere(instance_id, other)
 
     def _apply(self, document: Sequence[PartitionEvents], *, watermarks: bool) -> ApplyReport:
         report = ApplyReport()
-        # Per rank, the event id of the batch this document is applying: the events of one
-        # engine batch share its sequence number as their id, and are applied together.
-        open_batches: dict[WorkerKey, int] = {}
+        admitted = Watermarks() if watermarks else None
         for section in document:
             if not section.events and not section.approximations and watermarks:
                 continue  # live ingest: an empty section changes nothing
-            partition = self._partition_for(section.model_name, section.tenant_id, section.block_size)
-            self.partitions[(section.model_name, section.tenant_id)] = partition
+            partition = self.registry.get_or_add(section.model_name, section.tenant_id, section.block_size)
             for index, event in enumerate(section.events):
                 key = (event.worker_id, event.dp_rank)
                 rank = self._rank(partition, key)
-                if watermarks:
-                    event_id = event.event_id
-                    if open_batches.get(key) != event_id:
-                        last = rank.last_event_id
-                        if last is not None and event_id <= last:
-                            report.skipped += 1
-                            open_batches.pop(key, None)
-                            continue
-                        expected = 0 if last is None else last + 1
-                        if event_id != expected:
-                            report.gap_count += 1
-                            if len(report.gaps) < MAX_LISTED:
-                                report.gaps.append(Gap(key[0], key[1], expected, event_id))
-                        rank.last_event_id = event_id
-                        open_batches[key] = event_id
+                if admitted is not None and not admitted.admits(key, rank, event.event_id):
+                    continue
                 self._apply_one(partition, key, event, report, section.key, index)
             if section.approximations:
                 self._load_approximations(partition, section, report)
+        if admitted is not None:
+            report.skipped, report.gap_count, report.gaps = admitted.skipped, admitted.gap_count, admitted.gaps
         return report
 
     def _load_approximations(self, partition: Partition, section: PartitionEvents, report: ApplyReport) -> None:
@@ -502,7 +424,7 @@ class Indexer:
                     rejection.status, entry.worker_id, entry.dp_rank, entry.parent_hash, "an approximate block"
                 )
                 report.rejections.append(Rejection(section.key, index, f"approximations[{index}]: {reason}"))
-        self._settle(partition)
+        partition.settle()
 
     def apply_batch(self, model_name: str, tenant_id: str, events: Sequence[RouterEvent]) -> ApplyReport:
         """Apply one engine batch, received by a listener of this partition, whole.
@@ -512,7 +434,7 @@ class Indexer:
         watermark. A rank first seen here (a batch naming another data-parallel rank than
         its listener's) is created with source "events".
         """
-        partition = self._existing(model_name, tenant_id)
+        partition = self.registry.existing(model_name, tenant_id)
         report = ApplyReport()
         key_prefix = partition_key(model_name, tenant_id)
         for index, event in enumerate(events):
@@ -539,13 +461,13 @@ class Indexer:
         """Forget everything one rank holds, and its watermark: its engine restarted, so its
         old blocks are gone and its sequence numbers start again. Returns the device blocks
         dropped."""
-        partition = self._existing(model_name, tenant_id)
+        partition = self.registry.existing(model_name, tenant_id)
         key = (worker_id, dp_rank)
         rank = partition.ranks.get(key)
         if rank is None:
             return 0
         dropped = partition.tree.block_count(key)
-        self._forget_approximations(partition, key)
+        partition.forget_approximations(key)
         partition.tree.clear(key)
         rank.last_event_id = None
         return dropped
@@ -554,9 +476,7 @@ class Indexer:
         """The rank an event is for, created if unknown; it is fed by events from now on."""
         rank = partition.ranks.get(key)
         if rank is None:
-            rank = partition.ranks[key] = Rank(EVENTS)
-            partition.tree.add_worker(key)
-            self._owner[key[0]] = partition
+            rank = self.registry.add_rank(partition, key, EVENTS)
         elif rank.source != EVENTS:
             rank.source = EVENTS
         return rank
@@ -579,10 +499,10 @@ class Indexer:
             approx = partition.approx
             if approx is not None and event.storage_tier == DEVICE:
                 approx.forget_blocks(tree, key, data.block_hashes)
-                self._settle(partition)
+                partition.settle()
             report.unknown_removals += tree.remove(key, data.block_hashes, event.storage_tier)
         else:
-            self._forget_approximations(partition, key)
+            partition.forget_approximations(key)
             tree.clear(key)
         report.applied += 1
 
@@ -592,7 +512,7 @@ class Indexer:
         """Overlap of a prompt's local block hashes (u64, or i64 as `/query_by_hash` sends
         them) with every rank of the partition: blocks matched per rank and tier (see
         `QueryResult`). Expires the partition's due approximations first."""
-        partition = self._existing(model_name, tenant_id)
+        partition = self.registry.existing(model_name, tenant_id)
         approx = partition.approx
         if approx is None:
             match = partition.tree.match(local_hashes)
@@ -600,7 +520,7 @@ class Indexer:
             approx.expire(partition.tree, self.clock())
             match = partition.tree.match(local_hashes)
             approx.fold(match)
-            self._settle(partition)
+            partition.settle()
         return QueryResult(partition.block_size, match.device, match.host_pinned, match.disk)
 
     def query_tokens(
@@ -613,7 +533,7 @@ class Indexer:
         cache_salt: str | None = None,
     ) -> QueryResult:
         """`query` for a prompt's token ids, hashed with the partition's block size."""
-        hashes = self._hash_tokens(self._existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
+        hashes = self._hash_tokens(self.registry.existing(model_name, tenant_id), token_ids, lora_name, cache_salt)
         return self.query(model_name, tenant_id, hashes)
 
     def dump(self) -> dict[str, Any]:
@@ -628,7 +548,7 @@ class Indexer:
         self.expire_approximations()
         now, wall_now = self.clock(), self.wall_clock()
         dumped = []
-        for partition in self._matching(None, None):
+        for partition in self.registry.matching(None, None):
             approx, tree = partition.approx, partition.tree
             section = PartitionEvents(partition.model_name, partition.tenant_id, partition.block_size, [])
             if approx is None:
@@ -643,7 +563,7 @@ class Indexer:
         return [
             RankState(partition.model_name, partition.tenant_id, partition.block_size, key[0], key[1], rank.source,
                       rank.registered, rank.endpoint, rank.replay_endpoint, rank.last_event_id)
-            for partition in self._matching(None, None)
+            for partition in self.registry.matching(None, None)
             for key, rank in sorted(partition.ranks.items())
         ]
 
@@ -654,14 +574,9 @@ class Indexer:
             if state.registered:
                 self.register(state.instance_id, state.model_name, state.tenant_id, state.block_size, state.dp_rank,
                               state.endpoint, state.replay_endpoint)
-            partition = self._partition_for(state.model_name, state.tenant_id, state.block_size)
-            self.partitions[(state.model_name, state.tenant_id)] = partition
+            partition = self.registry.get_or_add(state.model_name, state.tenant_id, state.block_size)
             key = (state.instance_id, state.dp_rank)
-            rank = partition.ranks.get(key)
-            if rank is None:
-                rank = partition.ranks[key] = Rank(state.source)
-                partition.tree.add_worker(key)
-                self._owner[state.instance_id] = partition
+            rank = partition.ranks.get(key) or self.registry.add_rank(partition, key, state.source)
             rank.source = state.source
             rank.last_event_id = state.last_event_id
 
@@ -676,40 +591,11 @@ class Indexer:
         except ValueError as error:
             raise InvalidShape(str(error)) from None
 
-    def _existing(self, model_name: str, tenant_id: str) -> Partition:
-        partition = self.partitions.get((model_name, tenant_id))
-        if partition is None:
-            raise NotFound(f"no indexer for model={model_name} tenant_id={tenant_id}")
-        return partition
-
-    def _partition_for(self, model_name: str, tenant_id: str, block_size: int) -> Partition:
-        """The partition, or a new one (not yet stored in `partitions`) with this block size."""
-        partition = self.partitions.get((model_name, tenant_id))
-        if partition is None:
-            _check_block_size(block_size)
-            return Partition(model_name, tenant_id, block_size, PrefixTree(self.max_blocks))
-        if partition.block_size != block_size:
-            raise Conflict(
-                f"block_size mismatch for {partition.describe()}: "
-                f"existing={partition.block_size}, requested={block_size}"
-            )
-        return partition
-
-    def _matching(self, model_name: str | None, tenant_id: str | None) -> Iterator[Partition]:
-        for pid in sorted(self.partitions):
-            if (model_name is None or pid[0] == model_name) and (tenant_id is None or pid[1] == tenant_id):
-                yield self.partitions[pid]
-
 
 def _check_partition_name(tenant_id: str) -> None:
     # Partition keys are split at their last colon; a colon in the tenant would misread.
     if ":" in tenant_id:
         raise InvalidArgument(f"tenant_id {tenant_id!r} must not contain ':'")
-
-
-def _check_block_size(block_size: int) -> None:
-    if block_size == 0:
-        raise InvalidArgument("block_size must be greater than 0")
 
 
 def _reason(status: StoreStatus, worker_id: int, dp_rank: int, parent_hash: int | None, kind: str) -> str:
@@ -719,8 +605,3 @@ def _reason(status: StoreStatus, worker_id: int, dp_rank: int, parent_hash: int 
     if status is StoreStatus.SELF_REFERENCE:
         return "a block_hash repeats within the event or equals its parent_hash"
     return f"a block_hash of the event already names a different block of {who}"
-
-
-def _registered_elsewhere(instance_id: int, partition: str) -> AlreadyRegistered:
-    """An instance belongs to one partition (model, tenant); `partition` describes its own."""
-    return AlreadyRegistered(f"instance {instance_id} is already registered for {partition}")

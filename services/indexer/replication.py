@@ -34,9 +34,10 @@ import xxhash
 
 from dynamo_lite.errors import ServiceError
 
-from .core import ApplyReport, Indexer, RankState, Source
+from .core import ApplyReport, Indexer, RankState
 from .engine_events import MalformedBatch, decode_batch
 from .listeners import Subscription
+from .partitions import Source
 from .protocols import PartitionEvents, decode_events_document
 from .snapshot import encode_partitions
 from .tree import WorkerKey
