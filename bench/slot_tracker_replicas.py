@@ -55,7 +55,7 @@ from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu
 from .slot_tracker_http import LIFECYCLE_LAG
 from .wrk import WrkError, ensure_wrk, run_wrk
 
-import reference_server  # noqa: E402  (tests/, put on sys.path by .servers; needs no pytest)
+from support import reference_server  # noqa: E402  (tests/, put on sys.path by .servers; needs no pytest)
 
 MODEL = "lifecycle"
 PROBE_MODEL = "probe"

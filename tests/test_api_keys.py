@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from reference_server import ServerURL, free_port, running_server
+from support.reference_server import ServerURL, free_port, running_server
 from starlette.routing import Route
 
 from bench.security import MemoryTransport

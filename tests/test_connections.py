@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from reference_server import running_service
+from support.reference_server import running_service
 
 SLOW_CLIENTS = 500
 

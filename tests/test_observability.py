@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from http_support import post
+from support.http_support import post
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 

@@ -12,7 +12,7 @@ import pytest
 
 from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError
 from dynamo_lite.pipelined import PipelinedTransport
-from reference_server import free_port, running_service
+from support.reference_server import free_port, running_service
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ from dynamo_lite.simulate.trace import (
     load_trace,
     parse_lines,
 )
-from reference_server import free_port, running_server, running_service
+from support.reference_server import free_port, running_server, running_service
 
 # --- fleet ------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import orjson
 import pytest
-from http_support import JSON, assert_error, post
+from support.http_support import JSON, assert_error, post
 from starlette.testclient import TestClient
 
 from dynamo_lite.slot_tracker.app import create_app

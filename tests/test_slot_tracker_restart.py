@@ -28,7 +28,7 @@ import orjson
 from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.snapshot import encode
-from reference_server import free_port, running_service
+from support.reference_server import free_port, running_service
 
 MODEL = "m"
 WORKERS = [(1, "default", 2), (2, "default", 2), (3, "default", 1), (9, "team-b", 3)]  # id, tenant, dp_size

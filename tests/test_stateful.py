@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from schema_support import (
+from support.schema_support import (
     LONG_STATEFUL_CALLS,
     SCHEMA_API_KEY,
     CallStats,
