@@ -7,7 +7,6 @@ import itertools
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from support.reference_server import free_port, wait_healthy
 from starlette.testclient import TestClient
 
 from dynamo_lite.indexer import snapshot
@@ -125,12 +125,6 @@ def test_shutdown_writes_the_final_snapshot_in_process(tmp_path: Path) -> None:
 # --- the process ----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start(path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen(
@@ -138,17 +132,12 @@ def start(path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"indexer exited with {process.returncode}: {process.communicate()[0]}")
-        try:
-            if httpx.get(f"{base_url}/ready", timeout=0.5).status_code == 200:
-                return process, base_url
-        except httpx.TransportError:
-            time.sleep(0.05)
-    process.kill()
-    raise AssertionError("indexer did not become ready")
+    try:
+        wait_healthy(base_url, process, path="/ready", timeout=20)
+    except RuntimeError:
+        process.kill()
+        raise AssertionError(f"indexer did not become ready: {process.communicate()[0]}") from None
+    return process, base_url
 
 
 def held_blocks(base_url: str) -> set[int]:
