@@ -7,7 +7,7 @@
 
 Needs Linux with 2+ CPUs (server on CPU 0, load generator on CPU 1), `wrk` (installed with
 apt-get when missing) and network access the first time, to install `ai-dynamo-runtime==1.6.1`
-into its own venv (see tests/reference_server.py). Benchmarks print numbers; they never fail
+into its own venv (see tests/support/reference_server.py). Benchmarks print numbers; they never fail
 a test run.
 """
 

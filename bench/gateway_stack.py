@@ -4,7 +4,7 @@
                          │                                        ├──▶ slot tracker
                          └──▶ engine stand-ins ──KV events──▶ indexer ◀┘
 
-A trimmed copy of what tests/gateway_stack.py and tests/envoy_support.py do (bench must not
+A trimmed copy of what tests/support/gateway_stack.py and tests/support/envoy_support.py do (bench must not
 depend on the test suite's fixtures), plus what the benchmark needs beyond them: Envoy variants
 derived from deploy/envoy/envoy-fallbacks.yaml (Envoy's own balancers without ext_proc, and the
 picker with less of the response sent to it), several Envoys in front of one picker, and the
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import reference_server  # noqa: E402 - the test suite's process runner: plain Python, no pytest
 import yaml
+from support import reference_server  # noqa: E402 - the test suite's process runner: plain Python, no pytest
 
 from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
 

@@ -5,7 +5,7 @@ replication lag, and reads spread over replicas. Prints numbers; never passes or
     .venv/bin/python -m bench.indexer_replicas --quick          # about 1 minute
     .venv/bin/python -m bench.indexer_replicas --output /tmp/replicas.json --only ingest,lag
 
-One `nats-server -js` (Debian's, tests/nats_support.py) runs in a temp dir for the whole run;
+One `nats-server -js` (Debian's, tests/support/nats_support.py) runs in a temp dir for the whole run;
 every replica set has its own stream (`--nats-stream`, `--nats-subject-prefix`) on it.
 
 Layout (2 CPUs): indexers (the single process without `--nats` and every replica) on CPU 0,
@@ -87,8 +87,8 @@ from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu
 from .wrk import WrkError, WrkResult, ensure_wrk, run_wrk
 
 # tests/ is not a package: `.servers` puts it on sys.path, as it does for its own use.
-reference_server = importlib.import_module("reference_server")
-NatsServer = importlib.import_module("nats_support").NatsServer
+reference_server = importlib.import_module("support.reference_server")
+NatsServer = importlib.import_module("support.nats_support").NatsServer
 
 PHASES = ("ingest", "zmq", "lag", "reads")
 INGEST_MODEL = "ingest"

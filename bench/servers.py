@@ -19,7 +19,7 @@ TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
-import reference_server  # noqa: E402  (tests/ is not a package; imported by path on purpose)
+from support import reference_server  # noqa: E402  (tests/ is not a package; imported by path on purpose)
 
 SERVER_CPU = 0
 CLIENT_CPU = 1

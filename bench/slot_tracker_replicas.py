@@ -47,7 +47,7 @@ from pathlib import Path
 
 import httpx
 import orjson
-import reference_server  # noqa: E402  (tests/, put on sys.path by .servers; needs no pytest)
+from support import reference_server  # noqa: E402  (tests/, put on sys.path by .servers; needs no pytest)
 
 from .http_post import Connection, post_request
 from .runner import progress

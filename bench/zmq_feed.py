@@ -3,7 +3,7 @@
 The reference connects a SUB socket to the endpoint given in `POST /register`; XPUB with
 `XPUB_VERBOSE` lets us see that subscription arrive before publishing (a SUB that connects
 late never sees earlier messages). Frames are `[topic, seq (u64 big-endian), payload]`, as in
-tests/fake_engine.py.
+tests/support/fake_engine.py.
 """
 
 from __future__ import annotations

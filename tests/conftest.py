@@ -1,4 +1,4 @@
-"""Shared fixtures. Test support modules (e.g. reference_server) sit beside the tests."""
+"""Shared fixtures. Test support modules (e.g. support.reference_server) sit in tests/support/."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-pytest_plugins = ["nats_support"]  # the `nats_server` fixture
+pytest_plugins = ["support.nats_support"]  # the `nats_server` fixture
 
 settings.register_profile("default", deadline=None)
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])

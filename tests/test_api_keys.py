@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from reference_server import ServerURL, free_port, running_server
 from starlette.routing import Route
+from support.reference_server import ServerURL, free_port, running_server
 
 from bench.security import MemoryTransport
 from dynamo_lite.auth import Access, ApiKeys, key_list, read_key_file

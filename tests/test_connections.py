@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from reference_server import running_service
+from support.reference_server import running_service
 
 SLOW_CLIENTS = 500
 
@@ -120,9 +120,8 @@ def test_keep_alive_reuses_a_connection_until_it_idles_out(service: str) -> None
         time.sleep(1.2)  # idle, under --keep-alive-secs 2 (and past the head timeout: not a head)
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
         assert read_answer(sock)[0] == 200
-        started = time.monotonic()
-        assert closed_by_server(sock, timeout=5)
-        assert 1.5 < time.monotonic() - started < 4
+        assert not closed_by_server(sock, timeout=1.0)  # idle well under --keep-alive-secs 2: kept
+        assert closed_by_server(sock, timeout=10)  # and closed once the idle time passes it
 
 
 def test_http_1_0_keep_alive_is_honoured_when_asked(service: str) -> None:

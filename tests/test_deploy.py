@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from reference_server import free_port, running_server, running_service
+from support.reference_server import free_port, running_server, running_service
 
 from dynamo_lite.indexer.app import create_app as create_indexer_app
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker_app

@@ -10,8 +10,8 @@ import subprocess
 import time
 
 import pytest
-from docs_support import marked_blocks
-from reference_server import free_port, running_service
+from support.docs_support import marked_blocks
+from support.reference_server import free_port, running_service
 
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 

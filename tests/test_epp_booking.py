@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from reference_server import free_port, running_server, running_service
+from support.reference_server import free_port, running_server, running_service
 
 from dynamo_lite.client import AsyncSlotTrackerClient
 from dynamo_lite.epp.booking import Booking, BookingTarget, InFlight

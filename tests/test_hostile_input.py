@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from reference_server import ServerURL, free_port, running_server
-from tls_support import Authority
+from support.reference_server import ServerURL, free_port, running_server
+from support.tls_support import Authority
 
 from dynamo_lite.http import DEFAULT_MAX_BODY
 from dynamo_lite.indexer.app import LARGE_BODY
@@ -154,7 +154,7 @@ def slot_tracker(scheme: str, authority: Authority) -> Iterator[ServerURL]:
         register = {"worker_id": 1, "model_name": MODEL, "block_size": 16, "dp_start": 0, "dp_size": 2}
         assert exchange(url, raw_request("POST", "/register", json.dumps(register).encode())).status == 201
         yield url
-        assert_healthy(url)  # after every test of the module, in whatever order or selection they ran
+        assert_healthy(url)  # at teardown, whichever tests ran, in any order: all left it serving
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def indexer(scheme: str, authority: Authority) -> Iterator[ServerURL]:
         register = {"instance_id": 1, "model_name": MODEL, "block_size": 16}
         assert exchange(url, raw_request("POST", "/register", json.dumps(register).encode())).status == 201
         yield url
-        assert_healthy(url)  # after every test of the module, in whatever order or selection they ran
+        assert_healthy(url)  # at teardown, whichever tests ran, in any order: all left it serving
 
 
 def padded(document: object, size: int) -> bytes:

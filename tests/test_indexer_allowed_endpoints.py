@@ -9,7 +9,7 @@ import sys
 
 import httpx
 import pytest
-from reference_server import running_service
+from support.reference_server import running_service
 
 from dynamo_lite.errors import InvalidArgument
 from dynamo_lite.indexer.endpoints import EndpointRules

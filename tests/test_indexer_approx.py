@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import orjson
 import pytest
-from http_support import JSON, assert_error, post
-from reference_server import free_port, require_reference_or_skip, running_server, running_service
 from starlette.testclient import TestClient
+from support.http_support import JSON, assert_error, post
+from support.reference_server import free_port, require_reference_or_skip, running_server, running_service
 from test_indexer_core import L, apply, cleared, doc, removed, scores, stored
 
 from dynamo_lite.client import AsyncIndexerClient, ServiceCallError

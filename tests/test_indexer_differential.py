@@ -1,7 +1,7 @@
 """Differential tests: our indexer against Dynamo 1.6.1's (`python -m dynamo.indexer`).
 
 Three services run as subprocesses on loopback: the reference with `--threads 1`, the reference
-with its default `--threads 4`, and ours. Fake vLLM-style engines (tests/fake_engine.py) publish
+with its default `--threads 4`, and ours. Fake vLLM-style engines (tests/support/fake_engine.py) publish
 one seeded, realistic event stream over ZMQ, to which both references subscribe after their
 `POST /register`; ours is registered the same way and gets the very same events as RouterEvents
 over `POST /events`.
@@ -40,8 +40,8 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from fake_engine import GROW, SHRINK, FakeEngine, Query, Workload, dump_facts
-from reference_server import free_port, require_reference_or_skip, running_server
+from support.fake_engine import GROW, SHRINK, FakeEngine, Query, Workload, dump_facts
+from support.reference_server import free_port, require_reference_or_skip, running_server
 
 pytestmark = pytest.mark.reference
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from http_support import JSON, assert_error, post
 from starlette.testclient import TestClient
+from support.http_support import JSON, assert_error, post
 
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
 from dynamo_lite.indexer.app import IndexerConfig, create_app

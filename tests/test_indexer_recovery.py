@@ -9,7 +9,7 @@
 * peers that never answer: start-up gives up after `--recovery-timeout-secs` and serves an
   empty index; a dead peer before a live one is skipped.
 
-The event streams are the seeded, clean-domain workloads of tests/fake_engine.py; comparisons
+The event streams are the seeded, clean-domain workloads of tests/support/fake_engine.py; comparisons
 reuse the helpers of test_indexer_differential.py.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from fake_engine import GROW, SHRINK, FakeEngine, Workload, dump_facts
-from reference_server import require_reference_or_skip, running_server
+from support.fake_engine import GROW, SHRINK, FakeEngine, Workload, dump_facts
+from support.reference_server import require_reference_or_skip, running_server
 from test_indexer_differential import (
     Coverage,
     Mismatches,

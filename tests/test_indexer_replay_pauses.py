@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from nats_support import NatsServer
-from reference_server import ServerURL, free_port, running_server
+from support.nats_support import NatsServer
+from support.reference_server import ServerURL, free_port, running_server
 from test_indexer_zmq import (
     BLOCK,
     chain,

@@ -1,7 +1,7 @@
 """Indexer replicas on a real NATS server (`--nats`): several processes, one index.
 
-Every test starts `nats-server -js` on loopback (tests/nats_support.py) and indexer processes
-with `--nats`. The engines are the seeded fleets of tests/fake_engine.py (batches of several
+Every test starts `nats-server -js` on loopback (tests/support/nats_support.py) and indexer processes
+with `--nats`. The engines are the seeded fleets of tests/support/fake_engine.py (batches of several
 events under one sequence number, several partitions, lower tiers) and the exact-bytes vLLM
 publishers of dynamo_lite.kv_publishers (shared/kv_publishers.py) (restarts at seq 0, dropped messages with replay).
 
@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 import zmq
-from fake_engine import GROW, SHRINK, FakeEngine, Workload, events_document
-from nats_support import NatsServer
-from reference_server import ServerURL, running_server
+from support.fake_engine import GROW, SHRINK, FakeEngine, Workload, events_document
+from support.nats_support import NatsServer
+from support.reference_server import ServerURL, running_server
 from test_indexer_differential import (
     Mismatches,
     Service,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schema_support import documented_routes, load, served_routes
+from support.schema_support import documented_routes, load, served_routes
 
 from dynamo_lite.hashing import local_block_hashes
 from dynamo_lite.indexer.app import create_app

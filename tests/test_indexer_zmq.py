@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import zmq
-from reference_server import ServerURL, free_port, running_server
+from support.reference_server import ServerURL, free_port, running_server
 
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
 from dynamo_lite.indexer.listeners import REPLAY_ATTEMPTS

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from reference_server import free_port, require_reference_or_skip, running_server
+from support.reference_server import free_port, require_reference_or_skip, running_server
 
 from dynamo_lite.hashing import local_block_hashes, local_block_hashes_with_media, sequence_hashes, to_signed
 from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat

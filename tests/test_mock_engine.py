@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from reference_server import ServerURL, free_port, running_service
+from support.reference_server import ServerURL, free_port, running_service
 
 from dynamo_lite.tokenizer import Tokenizer
 

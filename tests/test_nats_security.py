@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nats_support import NatsServer
-from reference_server import free_port, running_service
-from tls_support import Authority
+from support.nats_support import NatsServer
+from support.reference_server import free_port, running_service
+from support.tls_support import Authority
 
 from dynamo_lite.nats_connection import NatsSecurity
 

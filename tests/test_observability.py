@@ -9,17 +9,16 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from http_support import post
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
+from support.http_support import post
+from support.reference_server import free_port, wait_healthy
 
 from dynamo_lite import cli, http
 from dynamo_lite.hashing import local_block_hashes
@@ -438,12 +437,6 @@ SERVICES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize("service", sorted(SERVICES))
 def test_help_names_the_environment_variables(service: str) -> None:
     module, own_variable, _ = SERVICES[service]
@@ -474,14 +467,7 @@ def test_service_configured_by_environment_logs_json(service: str) -> None:
                                stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "service did not start"
-            try:
-                if httpx.get(f"{base_url}/ready", timeout=0.5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+        wait_healthy(base_url, process, path="/ready", timeout=20)
         metrics = httpx.get(f"{base_url}/metrics", headers={"x-req": "trace-42"})
         assert metrics.status_code == 200
         families = {family.name for family in text_string_to_metric_families(metrics.text)}

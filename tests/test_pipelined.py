@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from reference_server import free_port, running_service
+from support.reference_server import free_port, running_service
 
 from dynamo_lite.client import AsyncSlotTrackerClient, CallTimeout, ConnectError, ServiceCallError, ServiceStatusError
 from dynamo_lite.pipelined import PipelinedTransport

@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 import pytest
-from docs_support import block_starting_with, blocks, marked_blocks
-from reference_server import running_service
+from support.docs_support import block_starting_with, blocks, marked_blocks
+from support.reference_server import running_service
 
 STATUS_MARK = "\n__status__="
 

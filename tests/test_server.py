@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import orjson
 import pytest
-from reference_server import ServerURL, running_service
+from support.reference_server import ServerURL, running_service
 
 REGISTER = orjson.dumps({"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 2})
 

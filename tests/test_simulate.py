@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from reference_server import free_port, running_server, running_service
+from support.reference_server import free_port, running_server, running_service
 
 from dynamo_lite.client import SlotTrackerClient
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes

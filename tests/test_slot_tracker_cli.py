@@ -11,26 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.reference_server import free_port, wait_healthy
 
 COMMAND = [sys.executable, "-m", "dynamo_lite.slot_tracker"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[0]
-        try:
-            if httpx.get(f"{base_url}/health", timeout=0.5).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise AssertionError("service did not become healthy")
 
 
 def test_help_lists_every_flag() -> None:
@@ -57,7 +40,7 @@ def test_serves_then_stops_cleanly(stop_signal: signal.Signals) -> None:
     )
     base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base_url, process)
+        wait_healthy(base_url, process, timeout=15)
         body = {"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}
         assert httpx.post(f"{base_url}/register", json=body).status_code == 201
         add = {"model_name": "m", "request_id": "r", "worker_id": 1, "dp_rank": 0,

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 import pytest
-from reference_server import free_port, require_reference_or_skip, running_server
+from support.reference_server import free_port, require_reference_or_skip, running_server
 
 pytestmark = pytest.mark.reference
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import orjson
 import pytest
-from http_support import JSON, assert_error, post
 from starlette.testclient import TestClient
+from support.http_support import JSON, assert_error, post
 
 from dynamo_lite.slot_tracker.app import create_app
 from dynamo_lite.slot_tracker.core import SlotTracker

@@ -27,13 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from nats_support import NatsServer
-from reference_server import ServerURL, free_port, running_service
+from support.nats_support import NatsServer
+from support.reference_server import ServerURL, free_port, running_service
 from test_slot_tracker_restart import Booked, expected_loads  # the acknowledged writes, and their /loads
 
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.nats_sync import NatsReplication, NatsSettings
-from dynamo_lite.slot_tracker.replication import Batch, Message, Replica
+from dynamo_lite.slot_tracker.ops import Batch, Message
+from dynamo_lite.slot_tracker.replication import Replica
 
 MODEL = "m"
 WORKERS = [(1, "default", 2), (2, "default", 1), (9, "team-b", 2)]  # id, tenant, dp size

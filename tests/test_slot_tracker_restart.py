@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import orjson
-from reference_server import free_port, running_service
+from support.reference_server import free_port, running_service
 
 from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError
 from dynamo_lite.slot_tracker.core import SlotTracker

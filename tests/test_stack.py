@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from docs_support import marked_blocks
-from envoy_support import envoy_binary
+from support.docs_support import marked_blocks
+from support.envoy_support import envoy_binary
 
 PORTS = (8081, 8090, 8091, 8000, 8001, 9002, 9003, 9901)
 

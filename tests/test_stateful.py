@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from schema_support import (
+from starlette.testclient import TestClient
+from support.schema_support import (
     LONG_STATEFUL_CALLS,
     SCHEMA_API_KEY,
     CallStats,
@@ -33,7 +34,6 @@ from schema_support import (
     settle_positive_case,
     tenant_of,
 )
-from starlette.testclient import TestClient
 
 from dynamo_lite.indexer.app import create_app as create_indexer_app
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker_app

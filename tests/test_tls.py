@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reference_server import ServerURL, free_port, running_server
-from tls_support import Authority, Pair, peer_common_name
+from support.reference_server import ServerURL, free_port, running_server
+from support.tls_support import Authority, Pair, peer_common_name
 
 from dynamo_lite.client import IndexerClient, ServiceCallError, SlotTrackerClient
 from dynamo_lite.reloading import POLL_SECS

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from reference_server import free_port
+
+from support.reference_server import free_port
 
 # /events documents are up to 8 MiB (the indexer's body limit); the default is 1 MiB.
 MAX_PAYLOAD = "8MB"

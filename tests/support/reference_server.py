@@ -288,6 +288,30 @@ def _stop(process: subprocess.Popen[bytes], grace: float) -> None:
     process.wait()
 
 
+def wait_healthy(base_url: str, process: subprocess.Popen[Any], *, path: str = "/health", timeout: float = 30.0,
+                 verify: Any = True, cert: Any = None) -> None:
+    """Return once `GET base_url + path` answers 200; RuntimeError if `process` exits first or
+    `timeout` seconds pass (the message says what the last attempt got)."""
+    command = " ".join(str(a) for a in process.args) if isinstance(process.args, list) else str(process.args)
+    deadline = time.monotonic() + timeout
+    last_problem = "no answer yet"
+    with httpx.Client(timeout=1.0, verify=verify, cert=cert) as client:
+        while True:
+            code = process.poll()
+            if code is not None:
+                raise RuntimeError(f"{command} exited with {code} before it was ready")
+            try:
+                answer = client.get(base_url + path)
+                if answer.status_code == 200:
+                    return
+                last_problem = f"GET {path} -> {answer.status_code}"
+            except httpx.HTTPError as exc:
+                last_problem = f"GET {path}: {type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{command} not ready after {timeout:.0f} s ({last_problem})")
+            time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def running_server(
     argv: Sequence[str],
@@ -329,25 +353,7 @@ def running_server(
         )
     failed = True
     try:
-        deadline = time.monotonic() + timeout
-        last_problem = "no answer yet"
-        with httpx.Client(timeout=1.0, verify=verify, cert=cert) as client:
-            while True:
-                code = process.poll()
-                if code is not None:
-                    raise RuntimeError(f"{' '.join(argv)} exited with {code} before it was ready")
-                try:
-                    answer = client.get(base + ready_path)
-                    if answer.status_code == 200:
-                        break
-                    last_problem = f"GET {ready_path} -> {answer.status_code}"
-                except httpx.HTTPError as exc:
-                    last_problem = f"GET {ready_path}: {type(exc).__name__}: {exc}"
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{' '.join(argv)} not ready after {timeout:.0f} s ({last_problem})"
-                    )
-                time.sleep(0.05)
+        wait_healthy(base, process, path=ready_path, timeout=timeout, verify=verify, cert=cert)
         url = ServerURL(base)
         url.process = process
         url.log_path = log_path

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from envoy_support import FALLBACKS_CONFIG, EnvoyProcess
-from reference_server import ServerURL, free_port, running_server, running_service
+
+from support.envoy_support import FALLBACKS_CONFIG, EnvoyProcess
+from support.reference_server import ServerURL, free_port, running_server, running_service
 
 BLOCK = 16
 MODEL = "mock"

@@ -26,7 +26,7 @@ import yaml
 
 from dynamo_lite.epp.envoy_config import configure
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_CONFIG = ROOT / "deploy" / "envoy" / "envoy.yaml"
 # The variant with fallbacks: the engines listed in a cluster behind Envoy's override-host balancer.
 FALLBACKS_CONFIG = ROOT / "deploy" / "envoy" / "envoy-fallbacks.yaml"
@@ -38,7 +38,7 @@ def envoy_binary() -> str | None:
     return shutil.which("envoy", path=str(here)) or shutil.which("envoy")
 
 
-from reference_server import free_port  # noqa: E402 - one port chooser for every test process
+from support.reference_server import free_port  # noqa: E402 - one port chooser for every test process
 
 
 def _hcm(config: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from dynamo_lite.auth import ApiKeys
 
-OPENAPI_DIR = Path(__file__).resolve().parents[1] / "openapi"
+OPENAPI_DIR = Path(__file__).resolve().parents[2] / "openapi"
 
 # The apps run with an API key, as the documents' `bearerKey` scheme says: schemathesis sends it,
 # and also checks that requests without it, or with another, are refused.
