@@ -30,8 +30,6 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from test_indexer_approx import Clock
-from test_indexer_model import LOCALS, ModelWorker, external, model_match
 
 from dynamo_lite.errors import Conflict
 from dynamo_lite.hashing import to_signed_list
@@ -40,6 +38,9 @@ from dynamo_lite.indexer.approx import shadow_of
 from dynamo_lite.indexer.protocols import LOWER_TIERS, parse_events_document
 from dynamo_lite.indexer.state import ApplyReport, Indexer
 from dynamo_lite.indexer.tree import StoreStatus
+
+from support.fake_clock import Clock
+from support.indexer_model import LOCALS, ModelWorker, external, model_match
 
 MODEL, TENANT, BLOCK = "m", "default", 4
 ANCHOR = (99, 0)  # always registered, so the partition never goes away

@@ -26,7 +26,7 @@ from dynamo_lite import http
 from dynamo_lite.metrics import DISCONNECTED
 from dynamo_lite.server import ConnectionLimits, HttpConnection, HttpServer
 
-from test_server import get
+from support.raw_http import get
 
 SSE = b"text/event-stream"
 

@@ -16,8 +16,8 @@ import pytest
 from dynamo_lite import http
 from dynamo_lite.server import ConnectionLimits, HttpConnection, HttpServer
 
-from test_server import Connection, get, post
-from test_server_waiting_answers import ServerThread
+from support.raw_http import Connection, get, post
+from support.server_thread import ServerThread
 
 
 class CountingTransport:
