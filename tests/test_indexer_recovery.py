@@ -26,8 +26,7 @@ import pytest
 import zmq
 
 from support.fake_engine import GROW, SHRINK, FakeEngine, Workload, dump_facts
-from support.reference_server import require_reference_or_skip, running_server
-from test_indexer_differential import (
+from support.indexer_differential import (
     Coverage,
     Mismatches,
     Service,
@@ -41,6 +40,7 @@ from test_indexer_differential import (
     register,
     wait_for_facts,
 )
+from support.reference_server import require_reference_or_skip, running_server
 
 QUERIES = 150
 ROUNDS = [(GROW, 150), (SHRINK, 80), (GROW, 120)]

@@ -24,10 +24,10 @@ import pytest
 import zmq
 
 from dynamo_lite.kv_publishers import EnginePublisher, WireFormat
+
+from support.indexer_zmq import BLOCK, chain, eventually, listener, query, wait_seq
 from support.nats_support import NatsServer
 from support.reference_server import ServerURL, free_port, running_server
-from test_indexer_zmq import BLOCK, chain, eventually, listener, query, wait_seq
-from test_indexer_zmq import context  # noqa: F401 - the fixture
 
 REPLAY_TIMEOUT_SECS = 2.0
 PAUSE_SECS = 2 * REPLAY_TIMEOUT_SECS + 1  # well past the replay deadline

@@ -26,10 +26,9 @@ import httpx
 import zmq
 
 from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
+
 from support.fake_engine import GROW, SHRINK, FakeEngine, Workload, events_document
-from support.nats_support import NatsServer
-from support.reference_server import ServerURL, running_server
-from test_indexer_differential import (
+from support.indexer_differential import (
     Mismatches,
     Service,
     compare_queries,
@@ -38,6 +37,8 @@ from test_indexer_differential import (
     ours_argv,
     wait_for_facts,
 )
+from support.nats_support import NatsServer
+from support.reference_server import ServerURL, running_server
 
 CONVERGE_SECS = 30.0
 QUERIES = 60

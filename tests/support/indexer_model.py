@@ -11,15 +11,11 @@ from dynamo_lite.indexer.tree import StoreStatus
 
 
 ODD_SEED_WORKER = (3, 0)  # names the same content differently from everyone else
-
-
 _rng = random.Random(1234)
 
 
 # Content ids 0..5 -> local hashes; half of them above 2**63 to exercise signed forms.
 LOCALS = [_rng.getrandbits(63) | (i % 2) << 63 for i in range(6)]
-
-
 Path = tuple[int, ...]
 
 
