@@ -12,9 +12,10 @@ import httpx
 import orjson
 import pytest
 from starlette.testclient import TestClient
+from support.fake_clock import WALL, Clock
 from support.http_support import JSON, assert_error, post
+from support.indexer_events import L, apply, cleared, doc, removed, scores, stored
 from support.reference_server import free_port, require_reference_or_skip, running_server, running_service
-from test_indexer_core import L, apply, cleared, doc, removed, scores, stored
 
 from dynamo_lite.client import AsyncIndexerClient, ServiceCallError
 from dynamo_lite.errors import Conflict, NotFound
@@ -26,18 +27,6 @@ from dynamo_lite.indexer.protocols import decode_events_document, parse_events_d
 from dynamo_lite.indexer.snapshot import encode
 
 TTL = 120.0
-WALL = 1_800_000_000.0  # the wall clock when the monotonic one reads 0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return WALL + self.now
 
 
 def make_indexer(clock: Clock, *, max_blocks: int = 0, ttl: float = TTL, tree_max_blocks: int = 0) -> Indexer:

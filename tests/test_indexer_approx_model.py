@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from test_indexer_approx import Clock
-from test_indexer_model import LOCALS, ModelWorker, external, model_match
+from support.fake_clock import Clock
+from support.indexer_model import LOCALS, ModelWorker, external, model_match
 
 from dynamo_lite.errors import Conflict
 from dynamo_lite.hashing import to_signed_list

@@ -25,8 +25,7 @@ import httpx
 import pytest
 import zmq
 from support.fake_engine import GROW, SHRINK, FakeEngine, Workload, dump_facts
-from support.reference_server import require_reference_or_skip, running_server
-from test_indexer_differential import (
+from support.indexer_differential import (
     Coverage,
     Mismatches,
     Service,
@@ -40,6 +39,7 @@ from test_indexer_differential import (
     register,
     wait_for_facts,
 )
+from support.reference_server import require_reference_or_skip, running_server
 
 QUERIES = 150
 ROUNDS = [(GROW, 150), (SHRINK, 80), (GROW, 120)]

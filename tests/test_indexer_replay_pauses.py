@@ -22,17 +22,9 @@ from typing import Any
 import httpx
 import pytest
 import zmq
+from support.indexer_zmq import BLOCK, chain, eventually, listener, query, wait_seq
 from support.nats_support import NatsServer
 from support.reference_server import ServerURL, free_port, running_server
-from test_indexer_zmq import (
-    BLOCK,
-    chain,
-    context,  # noqa: F401 - the fixture
-    eventually,
-    listener,
-    query,
-    wait_seq,
-)
 
 from dynamo_lite.kv_publishers import EnginePublisher, WireFormat
 

@@ -25,9 +25,7 @@ from typing import Any
 import httpx
 import zmq
 from support.fake_engine import GROW, SHRINK, FakeEngine, Workload, events_document
-from support.nats_support import NatsServer
-from support.reference_server import ServerURL, running_server
-from test_indexer_differential import (
+from support.indexer_differential import (
     Mismatches,
     Service,
     compare_queries,
@@ -36,6 +34,8 @@ from test_indexer_differential import (
     ours_argv,
     wait_for_facts,
 )
+from support.nats_support import NatsServer
+from support.reference_server import ServerURL, running_server
 
 from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
 

@@ -45,13 +45,6 @@ def pair() -> Iterator[dict[str, httpx.Client]]:
         yield {"reference": ref_client, "ours": ours_client}
 
 
-@pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.term()
-
-
 _ids = iter(range(500, 10_000))
 
 

@@ -21,7 +21,7 @@ import pytest
 import uvloop
 from starlette.routing import Route
 from starlette.testclient import TestClient
-from test_server import get
+from support.raw_http import get
 
 from dynamo_lite import http
 from dynamo_lite.metrics import DISCONNECTED

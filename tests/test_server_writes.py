@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_server import Connection, get, post
-from test_server_waiting_answers import ServerThread
+from support.raw_http import Connection, get, post
+from support.server_thread import ServerThread
 
 from dynamo_lite import http
 from dynamo_lite.server import ConnectionLimits, HttpConnection, HttpServer
