@@ -1,8 +1,8 @@
 """Prometheus metrics of one app: per-route request counts and latencies, plus core gauges.
 
 Every LLM request passes through a route, so the per-request part must be cheap:
-prometheus-client's labelled `Histogram.labels(...).observe()` plus a `Counter` cost about
-4.4 us per request on this machine (a quarter of a `/potential_loads` call). Instead each
+prometheus-client's labelled `Histogram.labels(...).observe()` plus a `Counter` cost a quarter
+of a `/potential_loads` call (bench/ANALYSIS.md, "Figures behind the code"). Instead each
 route keeps a dict status -> plain list of bucket counts (the last two items are the +Inf
 bucket and the sum of seconds): recording is one dict lookup, one `bisect` and two list
 updates. `RequestMetrics.collect` turns those lists into metric families when Prometheus

@@ -2,12 +2,12 @@
 calls a `Service`'s endpoints synchronously from its parser callbacks.
 
 Why not an ASGI server: per request, uvicorn builds a scope and message dicts, starts a Task and
-runs the app's coroutines, ~70-100 us of a one-core budget in which Dynamo answers a whole
-request. Here a request is parsed in C, routed with one dict lookup, answered by the endpoint's
-`respond(query_string, body)`, all inside `data_received`; pipelined requests are answered in
-order for the same reason (see "Writes" below for when answers are written). The app stays an
-ASGI app too (`Service`), for the test client and for embedding; both paths run the same
-endpoints.
+runs the app's coroutines, more than the whole time in which Dynamo answers a request
+(bench/ANALYSIS.md, "Figures behind the code"). Here a request is parsed in C, routed with one
+dict lookup, answered by the endpoint's `respond(query_string, body)`, all inside
+`data_received`; pipelined requests are answered in order for the same reason (see "Writes"
+below for when answers are written). The app stays an ASGI app too (`Service`), for the test
+client and for embedding; both paths run the same endpoints.
 
 What a server on a shared network needs, and what this one does:
 
@@ -48,10 +48,9 @@ What a server on a shared network needs, and what this one does:
   `transport.write` per connection (`HttpServer.send_all`). Writing to a client whose process
   sleeps (waiting for its answer) wakes it; on a virtual machine that wake-up is an
   inter-processor interrupt that costs the writer several microseconds. Written in a burst,
-  the answers find their clients awake. Measured under `python -m bench`'s load (c=64), 7 µs
-  of a 66 µs `/potential_loads` request went to that wake-up; with the burst,
-  `/potential_loads` serves ~18 % more requests and the lifecycle mix ~10 % more. A lone
-  request (c=1) is written at once, as before.
+  the answers find their clients awake: under `python -m bench`'s load, `/potential_loads`
+  serves ~18 % more requests and the lifecycle mix ~10 % more (bench/ANALYSIS.md, "Figures
+  behind the code"). A lone request (c=1) is written at once.
 * **API keys.** With keys (`Service.protect`), connections are `_Keyed`: they keep each
   request's `Authorization` header, and a route that is not open answers a JSON 401/403 from
   the head (`dynamo_lite.auth`), its body read and dropped as after any early answer. Without

@@ -587,8 +587,8 @@ def _follow(holders: dict[int, Group], hashes: Sequence[int], rest: set[int], gr
     requests, then the rest that the same requests hold), so the hash after a group's part
     starts the next group: a held prompt costs a dict lookup per group instead of a set probe
     per hash, and once many hashes are held each such probe is a cache miss on the table and
-    another on the key it compares (in the lifecycle benchmark, 256 probes took 21 us of a
-    52 us /add). The walk stops at the first hash no group holds (the new tail), after a group
+    another on the key it compares (two fifths of an /add in the lifecycle benchmark:
+    bench/ANALYSIS.md, "Figures behind the code"). The walk stops at the first hash no group holds (the new tail), after a group
     the request holds only in part (split off), at a hash already covered (the hashes are not
     a chain) or after `_WALK_STEPS` groups; the caller covers what is left in `rest` exactly.
     """
