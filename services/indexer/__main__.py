@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         default=300.0,
         help="seconds between two full garbage collections (0: never). Between them only young "
         "objects are collected; index nodes are never scanned, so a full one pauses the "
-        "service for about 1 ms per million indexed blocks (0.1 s before the nodes left the collector)",
+        "service for about 1 ms per million indexed blocks",
     )
     engines = parser.add_argument_group(
         "engines", "subscribe at start-up to engines that publish KV events over ZMQ (vLLM, SGLang); "
