@@ -292,15 +292,14 @@ def test_query_miss_and_a_query_not_starting_at_a_root_block() -> None:
     assert scores(indexer, [L[0], 12345, L[2]]) == {"7": {"0": 16}, "8": {"0": 16}}
 
 
-def test_the_result_counts_blocks_and_the_label_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_result_counts_blocks_and_the_label_cache_stays_bounded() -> None:
     indexer = section_9_2()
     result = indexer.query("llama", "default", L)
     assert (result.block_size, result.device, result.host_pinned, result.disk) == (16, {(7, 0): 4, (8, 0): 2}, {}, {})
-    monkeypatch.setattr(answers, "MAX_LABELS", 1)
-    answers._labels.clear()
+    labels: answers.Labels = {}
     for _ in range(2):  # each key in turn finds the cache full and starts it again
-        assert query_answer(result)["scores"] == {"7": {"0": 64}, "8": {"0": 32}}
-        assert len(answers._labels) == 1
+        assert query_answer(result, labels, max_labels=1)["scores"] == {"7": {"0": 64}, "8": {"0": 32}}
+        assert len(labels) == 1
 
 
 # --- tree semantics --------------------------------------------------------------------------

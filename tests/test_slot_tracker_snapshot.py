@@ -254,14 +254,13 @@ def test_only_a_dump_of_this_version_decodes(text: bytes, message: str) -> None:
         snapshot.decode(text)
 
 
-def test_pieces_join_into_the_document(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pieces_join_into_the_document() -> None:
     clock = FakeClock(0.0)
     tracker = sample(clock)
     for i in range(10):
         tracker.add("llama", "default", f"x{i}", 3, 4, [i, i + 1], i)
-    monkeypatch.setattr(snapshot, "ENCODE_BATCH", 3)
     dump = tracker.dump(taken_at=12.25)
-    pieces = list(snapshot.encode_pieces(dump))
+    pieces = list(snapshot.encode_pieces(dump, batch=3))
     assert len(pieces) > 8
     assert b"".join(pieces) == snapshot.encode(dump) == msgspec.json.encode(dump)
     assert b"".join(snapshot.encode_pieces(SlotTracker().dump(taken_at=0))) == b'{"version":1,"taken_at":0,"partitions":[]}'

@@ -12,13 +12,15 @@ from .core import QueryResult
 from .tree import WorkerKey
 
 # (instance_id, dp_rank) -> its JSON keys, str(instance_id) and str(dp_rank). A label depends
-# on the key alone, so the cache is shared and never stale; it only has to stay small: past
-# MAX_LABELS (more ranks than an indexer serves, so only after much churn) it starts again.
-_labels: dict[WorkerKey, tuple[str, str]] = {}
+# on the key alone, so one cache serves every answer and is never stale; it only has to stay
+# small: past MAX_LABELS (more ranks than an indexer serves, so only after much churn) it
+# starts again. `query_answer` takes both as parameters, so a test can pass its own.
+Labels = dict[WorkerKey, tuple[str, str]]
+_LABELS: Final[Labels] = {}
 MAX_LABELS: Final = 1 << 14
 
 
-def query_answer(result: QueryResult) -> dict[str, Any]:
+def query_answer(result: QueryResult, labels: Labels = _LABELS, max_labels: int = MAX_LABELS) -> dict[str, Any]:
     """The `/query_by_hash` and `/query` answer, all values in tokens:
 
         {"scores": {instance: {dp_rank: device tokens}},      # zero scores left out
@@ -38,12 +40,11 @@ def query_answer(result: QueryResult) -> dict[str, Any]:
     device = result.device
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, dict[str, Any]] = {}
-    labels = _labels
     for key in sorted(device):
         tokens = device[key] * block_size
         label = labels.get(key)
         if label is None:
-            if len(labels) >= MAX_LABELS:
+            if len(labels) >= max_labels:
                 labels.clear()
             label = labels[key] = (str(key[0]), str(key[1]))
         name, rank = label

@@ -40,16 +40,16 @@ def encode(dump: SlotTrackerDump) -> bytes:
     return _encoder.encode(dump)
 
 
-def encode_pieces(dump: SlotTrackerDump) -> Iterator[bytes]:
-    """`encode(dump)` in pieces of at most `ENCODE_BATCH` requests. The lists are the last
+def encode_pieces(dump: SlotTrackerDump, batch: int = ENCODE_BATCH) -> Iterator[bytes]:
+    """`encode(dump)` in pieces of at most `batch` requests. The lists are the last
     fields of their structs, so each struct encoded with an empty list, less its closing `]}`,
     is the text that comes before its list's items."""
     yield _encoder.encode(msgspec.structs.replace(dump, partitions=[]))[:-2]
     for number, partition in enumerate(dump.partitions):
         yield (b"," if number else b"") + _encoder.encode(msgspec.structs.replace(partition, requests=[]))[:-2]
         requests = partition.requests
-        for start in range(0, len(requests), ENCODE_BATCH):
-            items = _encoder.encode(requests[start:start + ENCODE_BATCH])[1:-1]
+        for start in range(0, len(requests), batch):
+            items = _encoder.encode(requests[start:start + batch])[1:-1]
             yield (b"," if start else b"") + items
         yield b"]}"
     yield b"]}"
