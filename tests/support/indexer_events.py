@@ -6,8 +6,8 @@ from typing import Any
 
 from dynamo_lite.hashing import local_block_hashes
 from dynamo_lite.indexer.answers import query_answer
-from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.core import Indexer
+from dynamo_lite.indexer.protocols import parse_events_document
 
 # Local hashes of range(1, 65) in blocks of 16 (reference §6.3 / §9.2).
 L = local_block_hashes(list(range(1, 65)), 16)
