@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from operator import countOf
-from typing import Annotated, Any, Final, TypeVar
+from typing import Annotated, Any, ClassVar, Final, TypeVar
 
 import msgspec
 import orjson
@@ -48,35 +48,19 @@ def expect_object(body: Any, what: str) -> dict[str, Any]:
     return body
 
 
-def string(body: dict[str, Any], name: str, default: Any = _MISSING) -> str:
+def string(body: dict[str, Any], name: str) -> str:
     value = body.get(name, _MISSING)
     if value is _MISSING:
-        if default is _MISSING:
-            raise InvalidShape(f"missing field `{name}`")
-        fallback: str = default
-        return fallback
+        raise InvalidShape(f"missing field `{name}`")
     if type(value) is not str:
         raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected a string")
     return value
 
 
-def optional_string(body: dict[str, Any], name: str) -> str | None:
-    """A string that may also be absent or null (fields Dynamo declares as Option<String>)."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if type(value) is not str:
-        raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected a string")
-    return value
-
-
-def _bounded_int(body: dict[str, Any], name: str, low: int, high: int, kind: str, default: Any) -> int:
+def _bounded_int(body: dict[str, Any], name: str, low: int, high: int, kind: str) -> int:
     value = body.get(name, _MISSING)
     if value is _MISSING:
-        if default is _MISSING:
-            raise InvalidShape(f"missing field `{name}`")
-        fallback: int = default
-        return fallback
+        raise InvalidShape(f"missing field `{name}`")
     if type(value) is not int:
         raise InvalidShape(f"{name}: invalid type: {describe(value)}, expected {kind}")
     if not low <= value <= high:
@@ -84,12 +68,12 @@ def _bounded_int(body: dict[str, Any], name: str, low: int, high: int, kind: str
     return value
 
 
-def u64(body: dict[str, Any], name: str, default: Any = _MISSING) -> int:
-    return _bounded_int(body, name, 0, U64_MAX, "u64", default)
+def u64(body: dict[str, Any], name: str) -> int:
+    return _bounded_int(body, name, 0, U64_MAX, "u64")
 
 
-def u32(body: dict[str, Any], name: str, default: Any = _MISSING) -> int:
-    return _bounded_int(body, name, 0, U32_MAX, "u32", default)
+def u32(body: dict[str, Any], name: str) -> int:
+    return _bounded_int(body, name, 0, U32_MAX, "u32")
 
 
 def i64_list(body: dict[str, Any], name: str) -> list[int]:
@@ -171,53 +155,146 @@ def decode_json(body: bytes) -> Any:
 # --- typed request bodies ---------------------------------------------------------------------
 
 class RequestBody(msgspec.Struct):
-    """A route's request type: decoded and type-checked in one C pass by msgspec.
+    """A route's request type, declared once: its fields, in the order Dynamo checks them
+    (subclasses pass `kw_only=True`, so a required field may follow an optional one).
 
-    msgspec checks the JSON types (no bool for an int, no null for a string, no float) and the
-    integer ranges (`U64`, `U32`, `I64`); what it cannot express is `in_range`. A body that
-    fails either is read again by `from_json`, the field-by-field readers above, which either raise
-    the precise 400/422 naming the field (rare, so its cost does not matter) or build the same
-    request: the fast path only ever accepts a subset of what `from_json` accepts, with the
-    same values, so the two can never disagree.
+    The fast path is msgspec decoding straight into the struct, in one C pass: it checks the
+    JSON types (no bool for an int, no null for a string, no float) and the integer ranges
+    (`U64`, `U32`, `I64`); a `U64`'s top, which msgspec cannot bound, is checked after it. A body
+    that fails is read again by the ordered path `decoder` derives from the same declaration:
+    the field readers above, field by field in declaration order (`tenant_id` with its alias
+    `routing_group`, which follows it), raising the precise 400/422 naming the first problem.
+    The ordered path accepts exactly what the fast path accepts, with the same values
+    (`tests/test_request_bodies.py`).
+
+    Hand-written code is left for rules across fields: `check`, run on the value either path
+    built, and `checks_before`, rules on the decoded body run just before the named field is
+    read (where Dynamo checks them), which `check` must repeat if the fast path can accept the
+    body.
     """
 
-    def in_range(self) -> bool:
-        return True
+    checks_before: ClassVar[dict[str, Callable[[dict[str, Any]], None]]] = {}
 
-    @classmethod
-    def from_json(cls: type[R], body: Any) -> R:
-        raise NotImplementedError
+    def check(self) -> None:
+        """Rules across fields: raise the 400/422 the route answers."""
 
 
 R = TypeVar("R", bound=RequestBody)
+_Reader = Callable[[dict[str, Any]], Any]
 
 
 def decoder(request_type: type[R]) -> Callable[[bytes], R]:
     """The body reader of one request type (see `RequestBody`)."""
     fast = msgspec.json.Decoder(request_type).decode
+    u64_names = tuple(
+        field.name for field in msgspec.inspect.type_info(request_type).fields  # type: ignore[attr-defined]
+        if _is_u64(field.type)
+    )
+    aliased = "routing_group" in request_type.__struct_fields__
+    checked = request_type.check is not RequestBody.check
+    ordered = ordered_reader(request_type)
 
     def decode(body: bytes) -> R:
         try:
             request = fast(body)
-        except Exception:  # noqa: BLE001 - msgspec raises several kinds; the slow path explains
-            pass
-        else:
-            if request.in_range():
-                return request
-        return request_type.from_json(decode_json(body))
+        except Exception:  # noqa: BLE001 - msgspec raises several kinds; the ordered path explains
+            return ordered(decode_json(body))
+        for name in u64_names:
+            if getattr(request, name) > U64_MAX:
+                return ordered(decode_json(body))
+        if aliased and request.routing_group is not msgspec.UNSET:  # type: ignore[attr-defined]
+            tenant_of(request.tenant_id, request.routing_group)  # type: ignore[attr-defined]
+        if checked:
+            request.check()
+        return request
 
     return decode
 
 
+def ordered_reader(request_type: type[R]) -> Callable[[Any], R]:
+    """The ordered path of `decoder`: a decoded JSON document to a request, or the first error."""
+    what = request_type.__name__
+    steps: list[tuple[str, _Reader]] = []
+    for field in msgspec.inspect.type_info(request_type).fields:  # type: ignore[attr-defined]
+        if field.name == "routing_group":
+            continue  # read with tenant_id
+        steps.append((field.name, _tenant_pair if field.name == "tenant_id" else _field_reader(field, what)))
+
+    def read(body: Any) -> R:
+        body = expect_object(body, what)
+        values: dict[str, Any] = {}
+        for name, reader in steps:
+            rule = request_type.checks_before.get(name)
+            if rule is not None:
+                rule(body)
+            if name == "tenant_id":
+                values["tenant_id"], values["routing_group"] = reader(body)
+            else:
+                values[name] = reader(body)
+        request = request_type(**values)
+        request.check()
+        return request
+
+    return read
+
+
+def _is_u64(info: msgspec.inspect.Type) -> bool:
+    return isinstance(info, msgspec.inspect.IntType) and info.ge == 0 and info.le is None
+
+
+def _field_reader(field: msgspec.inspect.Field, what: str) -> _Reader:
+    """The field reader matching one declared field's type (absent: its default, or UNSET)."""
+    name, info = field.name, field.type
+    if field.default is not msgspec.NODEFAULT:
+        default: Any = field.default
+    else:
+        default = _MISSING if field.required else msgspec.UNSET
+    types = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    others = [t for t in types if not isinstance(t, msgspec.inspect.NoneType)]
+    nullable = len(others) < len(types)
+    if not others:  # only null: a rule in `checks_before` explains any other value
+        return lambda body: None
+    (info,) = others
+    value_reader = _value_reader(name, info, what)
+
+    def read(body: dict[str, Any]) -> Any:
+        value = body.get(name, _MISSING)
+        if value is _MISSING or (nullable and value is None):
+            if default is _MISSING:
+                raise InvalidShape(f"missing field `{name}`")
+            return default
+        return value_reader(body)
+
+    return read
+
+
+def _value_reader(name: str, info: msgspec.inspect.Type, what: str) -> _Reader:
+    if isinstance(info, msgspec.inspect.StrType):
+        return lambda body: string(body, name)
+    if isinstance(info, msgspec.inspect.IntType):
+        if _is_u64(info):
+            return lambda body: u64(body, name)
+        if info.ge == 0 and info.le == U32_MAX:
+            return lambda body: u32(body, name)
+    if isinstance(info, msgspec.inspect.ListType) and isinstance(info.item_type, msgspec.inspect.IntType):
+        if info.item_type.ge == I64_MIN and info.item_type.le == I64_MAX:
+            return lambda body: i64_list(body, name)
+        if info.item_type.ge == 0 and info.item_type.le == U32_MAX:
+            return lambda body: u32_list(body, name)
+    raise TypeError(f"{what}.{name}: no field reader for {info}")
+
+
+def _tenant_pair(body: dict[str, Any]) -> tuple[Any, Any]:
+    """`tenant_id` and `routing_group` as declared (UNSET when absent), checked together."""
+    tenant(body)
+    return body.get("tenant_id", msgspec.UNSET), body.get("routing_group", msgspec.UNSET)
+
+
 # Integer ranges msgspec checks while it decodes (a u32 rank, i64 hashes). Its bounds must fit
-# an i64, so a `U64` field's top is checked by `in_range` (`is_u64`).
+# an i64, so a `U64` field's top is checked after it (`decoder`).
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
 I64 = Annotated[int, msgspec.Meta(ge=I64_MIN, le=I64_MAX)]
-
-
-def is_u64(value: int) -> bool:
-    return value <= U64_MAX
 
 
 def tenant_of(tenant_id: str | msgspec.UnsetType, routing_group: str | msgspec.UnsetType) -> str:

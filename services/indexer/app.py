@@ -29,7 +29,7 @@ from dynamo_lite.auth import Access
 from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.errors import AlreadyRegistered, InvalidArgument, InvalidShape
 from dynamo_lite.http import HandlerResult, QueryParams
-from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
+from dynamo_lite.validation import I64, U32, U64, RequestBody, tenant_of
 
 from . import replication
 from .answers import query_answer
@@ -57,92 +57,107 @@ _FILTERS = frozenset({"model_name", "tenant_id", "routing_group"})
 Tenant = Union[str, UnsetType]
 
 
-# --- request types of the query routes (see `dynamo_lite.validation.RequestBody`) -------------
+# --- request types: the schema of each POST body (see `dynamo_lite.validation.RequestBody`) ----
+# Fields are declared in the order Dynamo checks them, so the first problem a body has is the one
+# reported; `routing_group` is `tenant_id`'s input alias, checked with it.
 
 
-class QueryByHashRequest(RequestBody):
+class RegisterRequest(RequestBody, kw_only=True):
+    """A rank to index; with `endpoint`, the engine's KV event publisher to subscribe to."""
+
+    instance_id: U64
     model_name: str
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+    block_size: U32
+    dp_rank: U32 = 0
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+
+    def check(self) -> None:
+        # Shape first (422), then values (400), as Dynamo checks them.
+        if self.endpoint is not None:
+            validate_endpoint(self.endpoint)
+        if self.replay_endpoint is not None:
+            if self.endpoint is None:
+                raise InvalidArgument("replay_endpoint needs an endpoint to subscribe to")
+            validate_endpoint(self.replay_endpoint, "replay endpoint")
+
+
+class UnregisterRequest(RequestBody, kw_only=True):
+    """A whole instance, or one of its ranks."""
+
+    dp_rank: U32 | None = None
+    instance_id: U64
+    model_name: str
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
+
+
+def _no_cache_salt(body: dict[str, Any]) -> None:
+    if body.get("cache_salt") is not None:
+        raise InvalidArgument(
+            "cache_salt is not accepted by /query_by_hash; block_hashes must already include "
+            "the intended cache salt"
+        )
+
+
+class QueryByHashRequest(RequestBody, kw_only=True):
+    checks_before = {"cache_salt": _no_cache_salt}
+
+    cache_salt: None = None  # hashes are salted already
+    model_name: str
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
     block_hashes: list[I64]
-    tenant_id: Tenant = UNSET
-    routing_group: Tenant = UNSET
-    cache_salt: Any = None
-
-    def in_range(self) -> bool:
-        return self.cache_salt is None
-
-    @classmethod
-    def from_json(cls, body: Any) -> QueryByHashRequest:
-        body = expect_object(body, "QueryByHashRequest")
-        if body.get("cache_salt") is not None:
-            raise InvalidArgument(
-                "cache_salt is not accepted by /query_by_hash; block_hashes must already include "
-                "the intended cache salt"
-            )
-        model_name = validation.string(body, "model_name")
-        tenant_id = validation.tenant(body)
-        return cls(model_name, validation.i64_list(body, "block_hashes"), tenant_id)
 
 
-class QueryRequest(RequestBody):
+class QueryRequest(RequestBody, kw_only=True):
     model_name: str
-    token_ids: list[U32]
     tenant_id: Tenant = UNSET
     routing_group: Tenant = UNSET
+    token_ids: list[U32]
     lora_name: str | None = None
     cache_salt: str | None = None
 
-    @classmethod
-    def from_json(cls, body: Any) -> QueryRequest:
-        body = expect_object(body, "QueryRequest")
-        model_name = validation.string(body, "model_name")
-        tenant_id = validation.tenant(body)
-        return cls(model_name, validation.u32_list(body, "token_ids"), tenant_id,
-                   lora_name=validation.optional_string(body, "lora_name"),
-                   cache_salt=validation.optional_string(body, "cache_salt"))
+
+def _one_prompt(has_hashes: bool, has_tokens: bool) -> None:
+    if has_hashes == has_tokens:
+        raise InvalidShape("give exactly one of block_hashes and token_ids")
 
 
-class RoutedRequest(RequestBody):
+class RoutedRequest(RequestBody, kw_only=True):
     """A routing decision: the prompt as local hashes (i64, as `/query_by_hash` takes them)
     or as token ids (hashed as `/query` hashes them); exactly one of the two."""
 
+    checks_before = {"lora_name": lambda body: _one_prompt("block_hashes" in body, "token_ids" in body)}
+
     model_name: str
-    instance_id: U64
-    block_hashes: list[I64] | UnsetType = UNSET
-    token_ids: list[U32] | UnsetType = UNSET
-    dp_rank: U32 = 0
     tenant_id: Tenant = UNSET
     routing_group: Tenant = UNSET
+    instance_id: U64
+    dp_rank: U32 = 0
     lora_name: str | None = None
     cache_salt: str | None = None
+    token_ids: Union[list[U32], UnsetType] = UNSET
+    block_hashes: Union[list[I64], UnsetType] = UNSET
 
-    def in_range(self) -> bool:
-        if self.block_hashes is UNSET:
-            return self.token_ids is not UNSET and is_u64(self.instance_id)
-        return (
-            self.token_ids is UNSET and self.lora_name is None and self.cache_salt is None
-            and is_u64(self.instance_id)
-        )
-
-    @classmethod
-    def from_json(cls, body: Any) -> RoutedRequest:
-        body = expect_object(body, "RoutedRequest")
-        model_name = validation.string(body, "model_name")
-        tenant_id = validation.tenant(body)
-        instance_id = validation.u64(body, "instance_id")
-        dp_rank = validation.u32(body, "dp_rank", 0)
-        if ("block_hashes" in body) == ("token_ids" in body):
-            raise InvalidShape("give exactly one of block_hashes and token_ids")
-        lora_name = validation.optional_string(body, "lora_name")
-        cache_salt = validation.optional_string(body, "cache_salt")
-        if "token_ids" in body:
-            return cls(model_name, instance_id, token_ids=validation.u32_list(body, "token_ids"), dp_rank=dp_rank,
-                       tenant_id=tenant_id, lora_name=lora_name, cache_salt=cache_salt)
-        block_hashes = validation.i64_list(body, "block_hashes")
-        if lora_name is not None or cache_salt is not None:
+    def check(self) -> None:
+        _one_prompt(self.block_hashes is not UNSET, self.token_ids is not UNSET)
+        if self.block_hashes is not UNSET and (self.lora_name is not None or self.cache_salt is not None):
             raise InvalidArgument(
                 "lora_name and cache_salt go with token_ids; block_hashes must already include them"
             )
-        return cls(model_name, instance_id, block_hashes=block_hashes, dp_rank=dp_rank, tenant_id=tenant_id)
+
+
+class PeerRequest(RequestBody, kw_only=True):
+    """Another indexer to recover from (`/register_peer`, `/deregister_peer`)."""
+
+    url: str
+
+    def check(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"peer url {self.url!r} must start with http:// or https://")
 
 
 class IndexerRoutes:
@@ -156,31 +171,18 @@ class IndexerRoutes:
         self.peers = peers
         self.listeners = listeners
 
-    def register(self, body: Any) -> Any:
-        return self.subscribe(self._registration(body), 201)
+    def register(self, request: RegisterRequest) -> Any:
+        return self.subscribe(self._registration(request), 201)
 
-    def _registration(self, body: Any) -> Subscription:
-        body = expect_object(body, "RegisterRequest")
-        instance_id = validation.u64(body, "instance_id")
-        model_name = validation.string(body, "model_name")
-        tenant_id = validation.tenant(body)
-        block_size = validation.u32(body, "block_size")
-        dp_rank = validation.u32(body, "dp_rank", 0)
-        endpoint = validation.optional_string(body, "endpoint")
-        replay_endpoint = validation.optional_string(body, "replay_endpoint")
-        # Shape first (422), then values (400), as Dynamo checks them.
-        if endpoint is not None:
-            validate_endpoint(endpoint)
-        if replay_endpoint is not None:
-            if endpoint is None:
-                raise InvalidArgument("replay_endpoint needs an endpoint to subscribe to")
-            validate_endpoint(replay_endpoint, "replay endpoint")
+    def _registration(self, request: RegisterRequest) -> Subscription:
         if self.allowed_endpoints is not None:
-            if endpoint is not None:
-                self.allowed_endpoints.check(endpoint)
-            if replay_endpoint is not None:
-                self.allowed_endpoints.check(replay_endpoint, "replay endpoint")
-        return Subscription(model_name, tenant_id, block_size, instance_id, dp_rank, endpoint or "", replay_endpoint)
+            if request.endpoint is not None:
+                self.allowed_endpoints.check(request.endpoint)
+            if request.replay_endpoint is not None:
+                self.allowed_endpoints.check(request.replay_endpoint, "replay endpoint")
+        return Subscription(request.model_name, tenant_of(request.tenant_id, request.routing_group),
+                            request.block_size, request.instance_id, request.dp_rank, request.endpoint or "",
+                            request.replay_endpoint)
 
     def subscribe(self, subscription: Subscription, status: int = 201) -> Any:
         """Register the rank; with an endpoint, start listening to its engine."""
@@ -196,8 +198,8 @@ class IndexerRoutes:
                         f" (replay: {sub.replay_endpoint})" if sub.replay_endpoint else "")
         return status, OK
 
-    def unregister(self, body: Any) -> Any:
-        dropped = self.indexer.unregister(*_unregistration(body))
+    def unregister(self, request: UnregisterRequest) -> Any:
+        dropped = self.indexer.unregister(*_unregistration(request))
         self.listeners.stop(dropped)
         return 200, OK
 
@@ -246,12 +248,12 @@ class IndexerRoutes:
     def list_peers(self, params: QueryParams) -> HandlerResult:
         return 200, self.peers.urls()
 
-    def register_peer(self, body: Any) -> HandlerResult:
-        self.peers.add(_peer_url(body))
+    def register_peer(self, request: PeerRequest) -> HandlerResult:
+        self.peers.add(request.url)
         return 201, OK
 
-    def deregister_peer(self, body: Any) -> HandlerResult:
-        self.peers.remove(_peer_url(body))
+    def deregister_peer(self, request: PeerRequest) -> HandlerResult:
+        self.peers.remove(request.url)
         return 200, OK
 
 
@@ -269,8 +271,8 @@ class ReplicatedRoutes(IndexerRoutes):
                                          sub.endpoint or None, sub.replay_endpoint)
         return self._publish_and_apply(operation, status)
 
-    def unregister(self, body: Any) -> Any:
-        instance_id, model_name, tenant_id, dp_rank = _unregistration(body)
+    def unregister(self, request: UnregisterRequest) -> Any:
+        instance_id, model_name, tenant_id, dp_rank = _unregistration(request)
         return self._publish_and_apply(replication.Unregister(model_name, tenant_id, instance_id, dp_rank), 200)
 
     async def _publish_and_apply(self, operation: replication.Operation, status: int) -> HandlerResult:
@@ -300,17 +302,9 @@ class ReplicatedRoutes(IndexerRoutes):
         return 202, {"status": "accepted", "stream_sequence": sequence}
 
 
-def _unregistration(body: Any) -> tuple[int, str, str, int | None]:
-    body = expect_object(body, "UnregisterRequest")
-    dp_rank = None if body.get("dp_rank") is None else validation.u32(body, "dp_rank")
-    return validation.u64(body, "instance_id"), validation.string(body, "model_name"), validation.tenant(body), dp_rank
-
-
-def _peer_url(body: Any) -> str:
-    url = validation.string(expect_object(body, "PeerRequest"), "url")
-    if not url.startswith(("http://", "https://")):
-        raise InvalidArgument(f"peer url {url!r} must start with http:// or https://")
-    return url
+def _unregistration(request: UnregisterRequest) -> tuple[int, str, str, int | None]:
+    return (request.instance_id, request.model_name, tenant_of(request.tenant_id, request.routing_group),
+            request.dp_rank)
 
 
 async def _log_evictions(indexer: Indexer, interval_secs: float = 60.0) -> None:
@@ -432,8 +426,8 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
     app = http.Service(
         routes=[
             http.health_route(),
-            http.post("/register", routes.register),
-            http.post("/unregister", routes.unregister),
+            http.post("/register", routes.register, request_type=RegisterRequest),
+            http.post("/unregister", routes.unregister, request_type=UnregisterRequest),
             http.get("/workers", routes.workers, parameters=_FILTERS),
             http.post("/events", routes.events, max_body=LARGE_BODY, read=read_events_document),
             http.post("/query_by_hash", routes.query_by_hash, request_type=QueryByHashRequest, access=Access.READ),
@@ -441,8 +435,8 @@ def create_app(config: IndexerConfig = IndexerConfig(), indexer: Indexer | None 
             http.post("/routed", routes.routed, request_type=RoutedRequest, max_body=LARGE_BODY),
             http.get("/dump", routes.dump, access=Access.WRITE),  # the whole index: replicas, not gateways
             http.get("/peers", routes.list_peers),
-            http.post("/register_peer", routes.register_peer),
-            http.post("/deregister_peer", routes.deregister_peer),
+            http.post("/register_peer", routes.register_peer, request_type=PeerRequest),
+            http.post("/deregister_peer", routes.deregister_peer, request_type=PeerRequest),
             http.openapi_route(OPENAPI_PATH),
         ],
         lifespan=lifespan,

@@ -26,7 +26,7 @@ from dynamo_lite import http, validation
 from dynamo_lite.auth import Access
 from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.http import HandlerResult, QueryParams
-from dynamo_lite.validation import I64, U32, U64, RequestBody, expect_object, is_u64, tenant_of
+from dynamo_lite.validation import I64, U32, U64, RequestBody, tenant_of
 
 from .core import DEFAULT_REQUEST_TTL_SECS, SlotTracker
 from .metrics import SlotTrackerCollector
@@ -55,120 +55,64 @@ Tenant = Union[str, UnsetType]
 
 
 # --- request types: the schema of each POST body (see `dynamo_lite.validation.RequestBody`) ----
-# Fields are declared in the order Dynamo checks them, which `from_json` follows, so the first
-# problem a body has is the one reported.
+# Fields are declared in the order Dynamo checks them, so the first problem a body has is the one
+# reported; `routing_group` is `tenant_id`'s input alias, checked with it.
 
 
-class RegisterRequest(RequestBody):
+class RegisterRequest(RequestBody, kw_only=True):
     worker_id: U64
     model_name: str
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
     block_size: U32
     dp_start: U32
     dp_size: U32
-    tenant_id: Tenant = UNSET
-    routing_group: Tenant = UNSET
-
-    def in_range(self) -> bool:
-        return is_u64(self.worker_id)
-
-    @classmethod
-    def from_json(cls, body: Any) -> RegisterRequest:
-        body = expect_object(body, "RegisterRequest")
-        worker_id = validation.u64(body, "worker_id")
-        model_name = validation.string(body, "model_name")
-        tenant_id = validation.tenant(body)
-        return cls(worker_id, model_name, validation.u32(body, "block_size"), validation.u32(body, "dp_start"),
-                   validation.u32(body, "dp_size"), tenant_id)
 
 
-class UnregisterRequest(RequestBody):
+class UnregisterRequest(RequestBody, kw_only=True):
     worker_id: U64
     model_name: str
     tenant_id: Tenant = UNSET
     routing_group: Tenant = UNSET
 
-    def in_range(self) -> bool:
-        return is_u64(self.worker_id)
 
-    @classmethod
-    def from_json(cls, body: Any) -> UnregisterRequest:
-        body = expect_object(body, "UnregisterRequest")
-        return cls(validation.u64(body, "worker_id"), validation.string(body, "model_name"), validation.tenant(body))
-
-
-class AddRequest(RequestBody):
+class AddRequest(RequestBody, kw_only=True):
     model_name: str
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
     request_id: str
     worker_id: U64
     dp_rank: U32
     sequence_hashes: list[I64]
     new_isl_tokens: U64 = 0
-    tenant_id: Tenant = UNSET
-    routing_group: Tenant = UNSET
-
-    def in_range(self) -> bool:
-        return is_u64(self.worker_id) and is_u64(self.new_isl_tokens)
-
-    @classmethod
-    def from_json(cls, body: Any) -> AddRequest:
-        body = expect_object(body, "AddRequest")
-        model_name = validation.string(body, "model_name")
-        tenant_id = validation.tenant(body)
-        return cls(model_name, validation.string(body, "request_id"), validation.u64(body, "worker_id"),
-                   validation.u32(body, "dp_rank"), validation.i64_list(body, "sequence_hashes"),
-                   validation.u64(body, "new_isl_tokens", 0), tenant_id)
 
 
-class RequestIdRequest(RequestBody):
+class RequestIdRequest(RequestBody, kw_only=True):
     """`/prefill_complete` and `/free`."""
 
     model_name: str
-    request_id: str
     tenant_id: Tenant = UNSET
     routing_group: Tenant = UNSET
-
-    @classmethod
-    def from_json(cls, body: Any) -> RequestIdRequest:
-        body = expect_object(body, "RequestIdRequest")
-        model_name = validation.string(body, "model_name")
-        tenant_id = validation.tenant(body)
-        return cls(model_name, validation.string(body, "request_id"), tenant_id)
+    request_id: str
 
 
-class OutputBlocksRequest(RequestBody):
+class OutputBlocksRequest(RequestBody, kw_only=True):
     """`/output_blocks`, a route Dynamo's standalone tracker lacks: checked as `RequestIdRequest`
     is, then the count."""
 
     model_name: str
+    tenant_id: Tenant = UNSET
+    routing_group: Tenant = UNSET
     request_id: str
     output_blocks: U32
+
+
+class PotentialLoadsRequest(RequestBody, kw_only=True):
+    model_name: str
     tenant_id: Tenant = UNSET
     routing_group: Tenant = UNSET
-
-    @classmethod
-    def from_json(cls, body: Any) -> OutputBlocksRequest:
-        request = RequestIdRequest.from_json(expect_object(body, "OutputBlocksRequest"))
-        return cls(request.model_name, request.request_id, validation.u32(body, "output_blocks"),
-                   request.tenant_id)
-
-
-class PotentialLoadsRequest(RequestBody):
-    model_name: str
     sequence_hashes: list[I64]
     new_isl_tokens: U64 = 0
-    tenant_id: Tenant = UNSET
-    routing_group: Tenant = UNSET
-
-    def in_range(self) -> bool:
-        return is_u64(self.new_isl_tokens)
-
-    @classmethod
-    def from_json(cls, body: Any) -> PotentialLoadsRequest:
-        body = expect_object(body, "PotentialLoadsRequest")
-        model_name = validation.string(body, "model_name")
-        tenant_id = validation.tenant(body)
-        return cls(model_name, validation.i64_list(body, "sequence_hashes"),
-                   validation.u64(body, "new_isl_tokens", 0), tenant_id)
 
 
 def _tenant(request: Any) -> str:
