@@ -1,5 +1,5 @@
 """Issue 29's replication decision: slot tracker writes replicated as today (`--nats`: a
-reliable broadcast over NATS core, `replication.Replica` + `nats_sync.NatsReplication`) against
+reliable broadcast over NATS core, `replication.Replica` + `nats_replica.NatsReplication`) against
 a prototype that publishes the same ops to a JetStream stream (one ordered log, as the indexer
 does) and applies them on the other replica from a pull consumer. Prints numbers; never passes
 or fails.
@@ -41,10 +41,10 @@ from typing import Any
 
 import msgspec
 
-from dynamo_lite.indexer.jetstream import APPLY_SLICE_SECS, FETCH_BATCH, FETCH_TIMEOUT_SECS
+from dynamo_lite.indexer.nats_replica import APPLY_SLICE_SECS, FETCH_BATCH, FETCH_TIMEOUT_SECS
 from dynamo_lite.indexer.pull import Puller
 from dynamo_lite.slot_tracker.core import SlotTracker
-from dynamo_lite.slot_tracker.nats_sync import NatsReplication, NatsSettings
+from dynamo_lite.slot_tracker.nats_replica import NatsReplication, NatsSettings
 from dynamo_lite.slot_tracker.replication import Add, Batch, Free, Op, PrefillComplete, Replica, Tag
 
 from .seed import hash_lists, shape_for

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from dynamo_lite.indexer import replication
 from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.core import Indexer
-from dynamo_lite.indexer.jetstream import StreamReplica, StreamSettings
 from dynamo_lite.indexer.listeners import Listeners
+from dynamo_lite.indexer.nats_replica import StreamReplica, StreamSettings
 from dynamo_lite.indexer.replication import Batch, Register, Reset, Routed, Unregister
 from dynamo_lite.kv_publishers import Stored, WireFormat, encode_batch
 

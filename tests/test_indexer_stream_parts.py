@@ -1,4 +1,4 @@
-"""Pieces of `indexer.jetstream.StreamReplica` that need no NATS server: the snapshot schedule
+"""Pieces of `indexer.nats_replica.StreamReplica` that need no NATS server: the snapshot schedule
 and the outcomes writers wait for."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from dynamo_lite.indexer.jetstream import Outcomes, SnapshotTag, StreamSettings, snapshot_due
+from dynamo_lite.indexer.nats_replica import Outcomes, SnapshotTag, StreamSettings, snapshot_due
 from dynamo_lite.indexer.replication import Applied
 
 SETTINGS = StreamSettings("nats://127.0.0.1:4222", snapshot_threshold=100, snapshot_interval_secs=60)

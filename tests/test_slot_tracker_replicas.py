@@ -32,7 +32,7 @@ from support.reference_server import ServerURL, free_port, running_service
 from test_slot_tracker_restart import Booked, expected_loads  # the acknowledged writes, and their /loads
 
 from dynamo_lite.slot_tracker.core import SlotTracker
-from dynamo_lite.slot_tracker.nats_sync import NatsReplication, NatsSettings
+from dynamo_lite.slot_tracker.nats_replica import NatsReplication, NatsSettings
 from dynamo_lite.slot_tracker.ops import Batch, Message
 from dynamo_lite.slot_tracker.replication import Replica
 

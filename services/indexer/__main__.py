@@ -25,7 +25,8 @@ from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_APPROX_MAX_BLOCKS, DEFAULT_APPROX_TTL_SECS, IndexerConfig, create_app
 from .endpoints import EndpointRules
-from .jetstream import (
+from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, REPLAY_ATTEMPTS, Subscription, validate_endpoint
+from .nats_replica import (
     DEFAULT_READY_MAX_LAG,
     DEFAULT_RETENTION_SECS,
     DEFAULT_SNAPSHOT_INTERVAL_SECS,
@@ -34,7 +35,6 @@ from .jetstream import (
     DEFAULT_SUBJECT_PREFIX,
     StreamSettings,
 )
-from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, REPLAY_ATTEMPTS, Subscription, validate_endpoint
 
 DEFAULT_PORT = 8090
 

@@ -37,9 +37,9 @@ from .approx import DEFAULT_MAX_BLOCKS as DEFAULT_APPROX_MAX_BLOCKS
 from .approx import DEFAULT_TTL_SECS as DEFAULT_APPROX_TTL_SECS
 from .core import Indexer
 from .endpoints import EndpointRules
-from .jetstream import StreamReplica, StreamSettings
 from .listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription, validate_endpoint
 from .metrics import IndexerCollector, ListenerCollector, ReplicationCollector
+from .nats_replica import StreamReplica, StreamSettings
 from .peers import PeerList, recover
 from .protocols import EventsDocument, read_events_document
 from .snapshot import Snapshots

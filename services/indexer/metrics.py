@@ -21,7 +21,7 @@ from .listeners import Listeners
 from .protocols import STORAGE_TIERS
 
 if TYPE_CHECKING:  # replication is imported only with --nats
-    from .jetstream import StreamReplica
+    from .nats_replica import StreamReplica
 
 NAMESPACE = PREFIX + "indexer_"
 

@@ -19,7 +19,7 @@ import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-logger = logging.getLogger("dynamo_lite.indexer.jetstream")
+logger = logging.getLogger("dynamo_lite.indexer.nats_replica")
 
 ANSWER_MARGIN_SECS = 2.0  # a pull request unanswered this long after its expiry is abandoned
 

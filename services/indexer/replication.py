@@ -4,7 +4,7 @@ Every write goes through one stream, one subject per kind (`<prefix>.<kind>`), a
 replica applies the stream in order, so all replicas hold the same index. This module is the
 pure part: the message types, their encoding, and `apply`, which turns one message into calls
 on the `Indexer`. The NATS side (connecting, publishing, consuming, snapshots) is
-`dynamo_lite.indexer.jetstream`.
+`dynamo_lite.indexer.nats_replica`.
 
 Kinds:
 

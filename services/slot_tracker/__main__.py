@@ -21,7 +21,7 @@ from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_SNAPSHOT_INTERVAL_SECS, SlotTrackerConfig, create_app
 from .core import DEFAULT_REQUEST_TTL_SECS
-from .nats_sync import DEFAULT_JOIN_TIMEOUT_SECS, DEFAULT_PUBLISH_TIMEOUT_SECS, DEFAULT_SUBJECT_PREFIX, NatsSettings
+from .nats_replica import DEFAULT_JOIN_TIMEOUT_SECS, DEFAULT_PUBLISH_TIMEOUT_SECS, DEFAULT_SUBJECT_PREFIX, NatsSettings
 
 DEFAULT_PORT = 8091
 

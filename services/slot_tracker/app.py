@@ -4,7 +4,7 @@ Routes, status codes and messages follow Dynamo 1.6.1's standalone slot tracker,
 `tenant_id` as the partition field (`routing_group` accepted as its input alias).
 
 With replicas (`--nats`, `ReplicatedRoutes`) the write routes apply the write here exactly as
-without, then publish it (`nats_sync`); their answer waits until the NATS server has it. Without
+without, then publish it (`nats_replica`); their answer waits until the NATS server has it. Without
 `--nats` the routes are the plain `SlotTrackerRoutes`, untouched: no replication code runs on
 a request's path.
 """
@@ -34,7 +34,7 @@ from .peers import recover
 from .snapshot import EMPTY, TrackerSnapshots, encode
 
 if TYPE_CHECKING:  # imported only with --nats (see `create_app`)
-    from .nats_sync import NatsReplication, NatsSettings
+    from .nats_replica import NatsReplication, NatsSettings
     from .replication import Replica
 
 logger = logging.getLogger("dynamo_lite.slot_tracker")
@@ -291,7 +291,7 @@ def create_app(config: SlotTrackerConfig = SlotTrackerConfig(), tracker: SlotTra
         if config.peers:
             raise ValueError("peers and nats do not go together: a replica takes the state of the others through NATS")
         from .metrics import ReplicationCollector
-        from .nats_sync import NatsReplication
+        from .nats_replica import NatsReplication
         from .replication import Replica
 
         replica = Replica(tracker)

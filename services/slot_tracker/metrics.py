@@ -18,7 +18,7 @@ from dynamo_lite.metrics import PREFIX
 from .core import SlotTracker
 
 if TYPE_CHECKING:  # replication is imported only with --nats
-    from .nats_sync import NatsReplication
+    from .nats_replica import NatsReplication
 
 NAMESPACE = PREFIX + "slot_tracker_"
 

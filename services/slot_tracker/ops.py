@@ -1,4 +1,4 @@
-"""What slot tracker replicas send each other (`nats_sync` publishes it, `replication.Replica`
+"""What slot tracker replicas send each other (`nats_replica` publishes it, `replication.Replica`
 makes and applies it): pure data and its msgpack encoding.
 
 Every write a replica accepts (`/register`, `/unregister`, `/add`, `/prefill_complete`,

@@ -1,5 +1,5 @@
 """How a slot tracker replica takes its own writes and applies the others': pure and
-synchronous (no asyncio, no NATS). The NATS side is `nats_sync`; what travels is `ops`; the
+synchronous (no asyncio, no NATS). The NATS side is `nats_replica`; what travels is `ops`; the
 order ops are applied in is `sequencing`; which add of a request id wins is `merge`.
 
 Every write a replica accepts is applied to its own `SlotTracker` as without replication, then

@@ -65,7 +65,7 @@ from .listeners import Listeners, Subscription
 from .pull import Puller
 from .replication import Applied, Batch, Reset
 
-logger = logging.getLogger("dynamo_lite.indexer.jetstream")
+logger = logging.getLogger("dynamo_lite.indexer.nats_replica")
 
 DEFAULT_SUBJECT_PREFIX: Final = "dynamo_lite.indexer"
 DEFAULT_STREAM: Final = "DYNAMO_LITE_INDEXER"
