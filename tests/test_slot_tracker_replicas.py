@@ -30,9 +30,10 @@ import httpx
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.nats_sync import NatsReplication, NatsSettings
 from dynamo_lite.slot_tracker.replication import Replica
+
 from support.nats_support import NatsServer
-from test_slot_tracker_restart import Booked, expected_loads  # the acknowledged writes, and their /loads
 from support.reference_server import ServerURL, free_port, running_service
+from support.slot_tracker_writes import Booked, expected_loads  # the acknowledged writes, and their /loads
 
 MODEL = "m"
 WORKERS = [(1, "default", 2), (2, "default", 1), (9, "team-b", 2)]  # id, tenant, dp size
