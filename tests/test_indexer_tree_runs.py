@@ -15,8 +15,6 @@ from typing import Any
 
 import pytest
 import xxhash
-import test_indexer_eviction as eviction_suite
-import test_indexer_model as model_suite
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -27,6 +25,9 @@ from dynamo_lite.indexer.answers import query_answer, tiered_answer
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.state import Indexer, QueryResult
 from dynamo_lite.indexer.tree import Chain, MatchResult, Node, PrefixTree, Run, StoreStatus
+
+from support.eviction_machine import EvictionMachine
+from support.index_model_machine import IndexModel
 
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0), (4, 2)]
 _rng = random.Random(99)
@@ -350,7 +351,7 @@ class SmallRuns:
         super().teardown()  # type: ignore[misc]
 
 
-class SmallRunsIndexModel(SmallRuns, model_suite.IndexModel):
+class SmallRunsIndexModel(SmallRuns, IndexModel):
     chains = False  # runs are made on nodes
 
     @invariant()
@@ -361,7 +362,7 @@ class SmallRunsIndexModel(SmallRuns, model_suite.IndexModel):
                 assert self.tree.match(prompt) == plain_match(self.tree, prompt)
 
 
-class SmallRunsEviction(SmallRuns, eviction_suite.EvictionMachine):
+class SmallRunsEviction(SmallRuns, EvictionMachine):
     @invariant()
     def runs_are_true(self) -> None:
         if hasattr(self, "tree"):
