@@ -147,7 +147,7 @@ def test_compose_runs_several_replicas_of_each_service_on_nats() -> None:
 
 
 def test_compose_nats_configuration_starts_a_nats_server_with_jetstream(tmp_path: Path) -> None:
-    from nats_support import nats_server_binary
+    from support.nats_support import nats_server_binary
 
     document = yaml.safe_load(COMPOSE.read_text())
     config = document["configs"]["nats-conf"]["content"]
