@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 from dynamo_lite.client import (
@@ -17,9 +16,7 @@ from dynamo_lite.client import (
 )
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
 
-
-def in_process(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://service")
+from support.http_support import in_process
 
 
 def test_async_slot_tracker_client_round_trip() -> None:

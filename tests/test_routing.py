@@ -78,7 +78,7 @@ def test_select_for_a_model_nobody_registered_raises_no_worker_available() -> No
     from dynamo_lite.indexer.app import create_app as create_indexer
     from dynamo_lite.routing import KvRouter
     from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
-    from test_client import in_process
+    from support.http_support import in_process
 
     async def scenario() -> None:
         async with AsyncSlotTrackerClient(client=in_process(create_slot_tracker())) as tracker, \
