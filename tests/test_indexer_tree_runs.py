@@ -14,12 +14,12 @@ import random
 from typing import Any
 
 import pytest
-import test_indexer_eviction as eviction_suite
-import test_indexer_model as model_suite
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from support.eviction_machine import EvictionMachine
+from support.index_model_machine import IndexModel
 
 from dynamo_lite.hashing import to_signed
 from dynamo_lite.indexer import tree as tree_module
@@ -351,7 +351,7 @@ class SmallRuns:
         super().teardown()  # type: ignore[misc]
 
 
-class SmallRunsIndexModel(SmallRuns, model_suite.IndexModel):
+class SmallRunsIndexModel(SmallRuns, IndexModel):
     chains = False  # runs are made on nodes
 
     @invariant()
@@ -362,7 +362,7 @@ class SmallRunsIndexModel(SmallRuns, model_suite.IndexModel):
                 assert self.tree.match(prompt) == plain_match(self.tree, prompt)
 
 
-class SmallRunsEviction(SmallRuns, eviction_suite.EvictionMachine):
+class SmallRunsEviction(SmallRuns, EvictionMachine):
     @invariant()
     def runs_are_true(self) -> None:
         if hasattr(self, "tree"):

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 from support.nats_support import NatsServer
 from support.reference_server import ServerURL, free_port, running_service
-from test_slot_tracker_restart import Booked, expected_loads  # the acknowledged writes, and their /loads
+from support.slot_tracker_writes import Booked, expected_loads  # the acknowledged writes, and their /loads
 
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.nats_replica import NatsReplication, NatsSettings

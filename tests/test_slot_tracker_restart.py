@@ -10,7 +10,6 @@ in-process tracker fed only the acknowledged state.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import signal
 import subprocess
@@ -18,33 +17,19 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 from support.reference_server import free_port, running_service
+from support.slot_tracker_writes import MODEL, WORKERS, Booked, expected_loads
 
 from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.snapshot import encode
 
-MODEL = "m"
-WORKERS = [(1, "default", 2), (2, "default", 2), (3, "default", 1), (9, "team-b", 3)]  # id, tenant, dp_size
 PREFIXES = [[(p << 32) + i for i in range(n)] for p, n in enumerate([8, 32, 64])]
-
-
-@dataclass
-class Booked:
-    """A request as far as the service acknowledged it."""
-
-    tenant_id: str
-    worker_id: int
-    dp_rank: int
-    hashes: list[int]
-    new_isl_tokens: int
-    output_blocks: int = 0
 
 
 class Load:
@@ -111,13 +96,17 @@ class Load:
             mine.remove(request_id)
 
 
-def drive(load: Load, seconds: float, interrupt: Callable[[], None] | None = None) -> None:
-    """Run `load` for `seconds`, then `interrupt` the service (a signal) while calls are in
-    flight, or stop the clients; return once every client has ended."""
+def drive(load: Load, seconds: float, interrupt: Callable[[], None] | None = None, *, calls: int = 0) -> None:
+    """Run `load` for `seconds` and until it made `calls` calls (30 s at most: a loaded machine
+    is slow), then `interrupt` the service (a signal) while calls are in flight, or stop the
+    clients; return once every client has ended."""
 
     async def scenario() -> None:
         clients = asyncio.ensure_future(load.run())
         await asyncio.sleep(seconds)
+        deadline = time.monotonic() + 30
+        while load.calls < calls and time.monotonic() < deadline and not clients.done():
+            await asyncio.sleep(0.05)
         if interrupt is None:
             load.stop.set()
         else:
@@ -132,18 +121,6 @@ def register_workers(base_url: str) -> None:
         body = {"worker_id": worker_id, "model_name": MODEL, "tenant_id": tenant_id, "block_size": 16,
                 "dp_start": 0, "dp_size": dp_size}
         assert httpx.post(f"{base_url}/register", json=body).status_code == 201
-
-
-def expected_loads(booked: dict[str, Booked], workers: list[tuple[int, str, int]] = WORKERS) -> list[dict[str, Any]]:
-    """/loads of a tracker that saw only the acknowledged state (`workers`: id, tenant, dp size)."""
-    tracker = SlotTracker()
-    for worker_id, tenant_id, dp_size in workers:
-        tracker.register(worker_id, MODEL, tenant_id, 16, 0, dp_size)
-    for request_id, request in booked.items():
-        tracker.add(MODEL, request.tenant_id, request_id, request.worker_id, request.dp_rank, request.hashes,
-                    request.new_isl_tokens)
-        tracker.set_output_blocks(MODEL, request.tenant_id, request_id, request.output_blocks)
-    return [dataclasses.asdict(load) for load in tracker.loads()]
 
 
 def get(base_url: str, path: str) -> Any:
@@ -197,7 +174,7 @@ def test_sigkill_restarts_from_the_last_periodic_snapshot(tmp_path: Path) -> Non
 
         # More load, stopped; once a snapshot holds the state that /dump shows, SIGKILL.
         second = Load(url, "b")
-        drive(second, 0.6)
+        drive(second, 0.6, calls=101)
         assert second.calls > 100
         before = get(url, "/loads")
         live = requests_of(get(url, "/dump"))

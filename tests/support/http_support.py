@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 from starlette.testclient import TestClient
 
 JSON = {"content-type": "application/json"}
@@ -21,3 +22,8 @@ def assert_error(response, status: int, message: str | None = None) -> None:
     assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"]
     if message is not None:
         assert body["error"] == message
+
+
+def in_process(app) -> httpx.AsyncClient:
+    """An async httpx client that calls `app` directly (no socket), for the async clients."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://service")
