@@ -302,3 +302,152 @@ def tenant_of(tenant_id: str | msgspec.UnsetType, routing_group: str | msgspec.U
         None if tenant_id is msgspec.UNSET else tenant_id,
         None if routing_group is msgspec.UNSET else routing_group,
     )
+
+
+# --- explaining a refused document ------------------------------------------------------------
+# Documents (the indexer's `/events` and `/dump`) are declared once, as msgspec Structs, and
+# decoded by msgspec in one pass. When msgspec refuses one, `explain` walks the decoded JSON
+# against the same declaration, field by field in declaration order, and raises the first
+# problem as `<path>: expected <what>, got <value>` (or `<path>: missing field`). What a type
+# is called comes from the declaration: `Annotated[T, expected("...")]`, a Struct's `expected`
+# ClassVar, or the type itself. Rules across fields are hooks on the Struct:
+# `rules_before(raw, path)` runs on the raw object before its fields are read,
+# `rules_after(raw, path)` once they all passed.
+
+
+def expected(text: str) -> msgspec.Meta:
+    """`Annotated[T, expected("...")]`: how error messages name what T accepts."""
+    return msgspec.Meta(extra={"expected": text})
+
+
+def explain(declared: Any, value: Any, path: str) -> None:
+    """Raise the `InvalidShape` naming the first part of `value` that does not conform to
+    `declared`; return if it conforms."""
+    _explain(msgspec.inspect.type_info(declared), value, path)
+
+
+def refused(path: str, expected: str, value: Any) -> InvalidShape:
+    if value is _MISSING:
+        return InvalidShape(f"{path}: missing field")
+    return InvalidShape(f"{path}: expected {expected}, got {describe(value)}")
+
+
+def _explain(info: msgspec.inspect.Type, value: Any, path: str) -> None:
+    expected = _expected(info)
+    if isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    if isinstance(info, msgspec.inspect.UnionType):
+        # A null, a literal, or (for an object) the union's one Struct, which says what is wrong.
+        if value is None and any(isinstance(t, msgspec.inspect.NoneType) for t in info.types):
+            return
+        for member in info.types:
+            if isinstance(member, msgspec.inspect.LiteralType) and _is_literal(member, value):
+                return
+        for member in info.types:
+            if isinstance(member, msgspec.inspect.StructType) and type(value) is dict:
+                _explain_struct(member, value, path, expected)
+                return
+        others = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+        if len(others) == 1 and isinstance(_unwrap(others[0]), (msgspec.inspect.StructType, msgspec.inspect.ListType)):
+            _explain(others[0], value, path)  # the part inside says what is wrong
+            return
+        if len(others) == 1 and _conforms(others[0], value):
+            return
+        raise refused(path, expected, value)
+    if isinstance(info, msgspec.inspect.StructType):
+        if type(value) is not dict:
+            raise refused(path, expected, value)
+        _explain_struct(info, value, path, expected)
+    elif isinstance(info, msgspec.inspect.ListType):
+        if type(value) is not list:
+            raise refused(path, expected, value)
+        for index, item in enumerate(value):
+            _explain(info.item_type, item, f"{path}[{index}]")
+    elif isinstance(info, msgspec.inspect.IntType):
+        # msgspec's bounds must fit an i64: a declared integer without `le` is bounded by u64.
+        high = U64_MAX if info.le is None else info.le
+        if type(value) is not int or (info.ge is not None and value < info.ge) or value > high:
+            raise refused(path, expected, value)
+    elif isinstance(info, msgspec.inspect.FloatType):
+        if type(value) not in (int, float):
+            raise refused(path, expected, value)
+    elif isinstance(info, msgspec.inspect.StrType):
+        if type(value) is not str:
+            raise refused(path, expected, value)
+    elif isinstance(info, msgspec.inspect.LiteralType):
+        if not _is_literal(info, value):
+            raise refused(path, expected, value)
+    elif isinstance(info, msgspec.inspect.NoneType):
+        if value is not None:
+            raise refused(path, expected, value)
+    else:
+        raise TypeError(f"{path}: explain() does not know {info}")
+
+
+def _unwrap(info: msgspec.inspect.Type) -> msgspec.inspect.Type:
+    return info.type if isinstance(info, msgspec.inspect.Metadata) else info
+
+
+def _conforms(info: msgspec.inspect.Type, value: Any) -> bool:
+    try:
+        _explain(info, value, "")
+    except InvalidShape:
+        return False
+    return True
+
+
+def _is_literal(info: msgspec.inspect.LiteralType, value: Any) -> bool:
+    return any(value == allowed and type(value) is type(allowed) for allowed in info.values)
+
+
+def _explain_struct(info: msgspec.inspect.StructType, raw: dict[str, Any], path: str, expected: str) -> None:
+    cls = info.cls
+    before = getattr(cls, "rules_before", None)
+    if before is not None:
+        before(raw, path)
+    names: set[str] = set()
+    for field in info.fields:
+        names.add(field.encode_name)
+        value = raw.get(field.encode_name, _MISSING)
+        if value is _MISSING:
+            if field.required:
+                raise refused(f"{path}.{field.encode_name}", "", _MISSING)
+            continue
+        _explain(field.type, value, f"{path}.{field.encode_name}")
+    if info.forbid_unknown_fields and not names.issuperset(raw):
+        raise refused(path, expected, raw)
+    after = getattr(cls, "rules_after", None)
+    if after is not None:
+        after(raw, path)
+
+
+def _expected(info: msgspec.inspect.Type) -> str:
+    """How error messages name what `info` accepts."""
+    if isinstance(info, msgspec.inspect.Metadata):
+        if info.extra and "expected" in info.extra:
+            return str(info.extra["expected"])
+        info = info.type
+    if isinstance(info, msgspec.inspect.UnionType):
+        others = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+        text = " or ".join(_expected(t) for t in others)
+        return f"null or {text}" if len(others) < len(info.types) and any(
+            isinstance(t, msgspec.inspect.NoneType) for t in info.types) else text
+    if isinstance(info, msgspec.inspect.StructType):
+        return str(getattr(info.cls, "expected", "an object"))
+    if isinstance(info, msgspec.inspect.IntType):
+        if info.ge == 0 and info.le == U32_MAX:
+            return "an integer in the u32 range"
+        if info.ge == 0 and info.le is None:
+            return "an integer in the u64 range"
+        if info.ge == I64_MIN and info.le is None:
+            return "an integer in the u64 or i64 range"
+        return "an integer"
+    if isinstance(info, msgspec.inspect.FloatType):
+        return "a number"
+    if isinstance(info, msgspec.inspect.StrType):
+        return "a string"
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return "one of " + ", ".join(orjson.dumps(v).decode() for v in info.values)
+    if isinstance(info, msgspec.inspect.ListType):
+        return "an array"
+    return str(info)

@@ -1,5 +1,7 @@
-"""`decode_events_document` (msgspec, one pass) against `parse_events_document` (the definition
-of what `/events` accepts): for any body, the same events or the same error."""
+"""The events document is declared once (`WireSection` and the structs under it): msgspec decodes
+bodies against the declaration, and `explain_events_document` walks a refused document against
+the same declaration to name the problem. For any body: msgspec refuses exactly what the walk
+explains, and the two readers (bytes and decoded JSON) give the same events or the same error."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_lite.errors import ServiceError
-from dynamo_lite.indexer.protocols import decode_events_document, parse_events_document
+from dynamo_lite.errors import InvalidShape, ServiceError
+from dynamo_lite.indexer.protocols import decode_events_document, explain_events_document, parse_events_document
 from dynamo_lite.validation import decode_json
 
 U64 = 2**64 - 1
@@ -122,10 +124,23 @@ def outcome(parse: Any) -> Any:
 
 @settings(max_examples=1500, deadline=None)
 @given(documents())
-def test_the_fast_decoder_accepts_exactly_what_the_parser_accepts(document: Any) -> None:
+def test_msgspec_refuses_exactly_what_the_declaration_walk_explains(document: Any) -> None:
+    assert_readers_agree(document)
+
+
+def assert_readers_agree(document: Any) -> None:
     body = json.dumps(document).encode()
-    assert outcome(lambda: decode_events_document(body)) == outcome(
-        lambda: parse_events_document(decode_json(body)))
+    decoded = outcome(lambda: decode_events_document(body))
+    assert decoded == outcome(lambda: parse_events_document(decode_json(body)))
+    try:
+        explain_events_document(decode_json(body))  # as JSON reads it: orjson makes 2**64 a float
+        explanation = None
+    except InvalidShape as problem:
+        explanation = problem.message
+    if decoded[0] == "ok":
+        assert explanation is None
+    else:
+        assert decoded == ("InvalidShape", explanation)
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b"[1]", b'{"m:d": {"block_size": 16, "events": []}} x',
@@ -164,5 +179,4 @@ def _one_event(**changes: Any) -> dict[str, Any]:
     _one_event(storage_tier="gpu"), _one_event(storage_tier="disk"),
 ])
 def test_single_faults(document: dict[str, Any]) -> None:
-    body = json.dumps(document).encode()
-    assert outcome(lambda: decode_events_document(body)) == outcome(lambda: parse_events_document(decode_json(body)))
+    assert_readers_agree(document)

@@ -332,7 +332,8 @@ def test_approximations_are_validated_like_events() -> None:
         return str(failure.value)
 
     assert "approximations" in refused({})
-    assert "Expected `int`, got `str`" in refused([{"worker_id": "7", "blocks": []}])
+    assert '"m:t".approximations[0].worker_id: expected an integer in the u64 range, got string' == refused(
+        [{"worker_id": "7", "blocks": []}])
     assert "expires_at" in refused([{"worker_id": 7, "blocks": [{"block_hash": 1, "tokens_hash": 2}]}])
     assert "m:t\".approximations[0].blocks[0].block_hash" in refused(
         [{"worker_id": 7, "blocks": [{"block_hash": 2**64, "tokens_hash": 2, "expires_at": 1}]}])

@@ -6,7 +6,7 @@ API over them that the shells call. A partition is created by the first registra
 document that names it and disappears with its last worker, so a query then gets 404 as in
 Dynamo.
 
-Events documents are validated whole (shape by `parse_events_document`, then block sizes and
+Events documents are validated whole (shape by `protocols`' readers, then block sizes and
 instance ownership here) before anything is applied, so a document is applied completely or
 not at all. Applying is per event: per (instance, dp_rank) an event-id watermark skips
 re-delivered batches (the events of one engine batch share its id), reports gaps, and every
@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from dynamo_lite.errors import AlreadyRegistered, Conflict, InvalidArgument, InvalidShape, NotFound
 from dynamo_lite.hashing import local_block_hashes
@@ -87,11 +89,11 @@ class WorkerInfo:
     ranks: list[RankInfo]
 
 
-@dataclass(slots=True)
-class RankState:
+class RankState(msgspec.Struct, array_like=True):
     """What a rank is, beyond the blocks it holds: what a replica's snapshot carries besides the
     dump, so that a replica started from it registers, listens and skips re-deliveries exactly
-    as the replicas that applied the whole stream."""
+    as the replicas that applied the whole stream. Declared once, as its snapshot rows are
+    written: a JSON array of the fields in this order (`replication.encode_snapshot`)."""
 
     model_name: str
     tenant_id: str
@@ -359,9 +361,12 @@ class Indexer:
         """Merge a `/dump` document (e.g. a peer's) into this index, creating its partitions
         and workers. Dumps renumber event ids per tier section, so watermarks are neither
         checked nor moved: the next live event of each worker starts a fresh sequence."""
-        parsed = parse_events_document(document)
-        self._validate(parsed, keep_empty=True)
-        return self._apply(parsed, watermarks=False)
+        return self.load_sections(parse_events_document(document))
+
+    def load_sections(self, sections: Sequence[PartitionEvents]) -> ApplyReport:
+        """`load_dump` of a dump already read (`protocols.decode_events_document` reads its bytes)."""
+        self._validate(sections, keep_empty=True)
+        return self._apply(sections, watermarks=False)
 
     def _validate(self, document: Sequence[PartitionEvents], *, keep_empty: bool = False) -> None:
         """`keep_empty`: sections without events create their partition too (a dump lists a

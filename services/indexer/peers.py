@@ -7,13 +7,12 @@ ours also carries the approximations (`/routed`), which keep the TTL they have l
 
 from __future__ import annotations
 
-import orjson
-
 from dynamo_lite.credentials import ClientCredentials
 from dynamo_lite.errors import NotFound
 from dynamo_lite.peers import recover as recover_from_peers
 
 from .core import Indexer
+from .protocols import decode_events_document
 
 
 class PeerList:
@@ -48,7 +47,7 @@ async def recover(
     (the indexer then starts empty). A peer whose dump we cannot read is logged and skipped."""
 
     def load(body: bytes) -> str:
-        report = indexer.load_dump(orjson.loads(body))
+        report = indexer.load_sections(decode_events_document(body))
         return f"{report.applied} events applied, {report.rejected} rejected"
 
     return await recover_from_peers(peers, load, deadline_secs=deadline_secs, otherwise="an empty index",

@@ -37,7 +37,6 @@ from dynamo_lite.errors import ServiceError
 from .core import ApplyReport, Indexer, RankState
 from .engine_events import MalformedBatch, decode_batch
 from .listeners import Subscription
-from .partitions import Source
 from .protocols import PartitionEvents, decode_events_document
 from .snapshot import encode_partitions
 from .tree import WorkerKey
@@ -191,19 +190,6 @@ def _apply_batch(indexer: Indexer, batch: Batch) -> ApplyReport:
 # --- snapshots ------------------------------------------------------------------------------
 
 
-class _RankState(msgspec.Struct, array_like=True):
-    model_name: str
-    tenant_id: str
-    block_size: int
-    instance_id: int
-    dp_rank: int
-    source: Source
-    registered: bool
-    endpoint: str | None
-    replay_endpoint: str | None
-    last_event_id: int | None
-
-
 @dataclass
 class Snapshot:
     """The index at one stream sequence: what a new replica loads before it consumes the rest."""
@@ -221,16 +207,14 @@ def collect(indexer: Indexer, sequence: int) -> Snapshot:
 def encode_snapshot(snapshot: Snapshot) -> Iterator[bytes]:
     """JSON `{"sequence": S, "ranks": [...], "index": <the /dump document>}`, in pieces (in a
     worker thread: the encoders hold the GIL, the pieces let the event loop in between)."""
-    ranks = [_RankState(r.model_name, r.tenant_id, r.block_size, r.instance_id, r.dp_rank, r.source, r.registered,
-                        r.endpoint, r.replay_endpoint, r.last_event_id) for r in snapshot.ranks]
-    yield b'{"sequence":%d,"ranks":%s,"index":' % (snapshot.sequence, msgspec.json.encode(ranks))
+    yield b'{"sequence":%d,"ranks":%s,"index":' % (snapshot.sequence, msgspec.json.encode(snapshot.ranks))
     yield from encode_partitions(snapshot.partitions)
     yield b"}"
 
 
 class _SnapshotDocument(msgspec.Struct):
     sequence: int
-    ranks: list[_RankState]
+    ranks: list[RankState]
     index: msgspec.Raw
 
 
@@ -238,9 +222,8 @@ def load_snapshot(indexer: Indexer, data: bytes) -> tuple[int, list[Subscription
     """Load a snapshot into an empty index; returns the sequence it covers and the engines its
     registrations subscribe to. Raises ValueError or ServiceError for a snapshot it cannot use."""
     document = msgspec.json.decode(data, type=_SnapshotDocument)
-    indexer.load_dump(orjson.loads(bytes(document.index)))
-    states = [RankState(r.model_name, r.tenant_id, r.block_size, r.instance_id, r.dp_rank, r.source,
-                        r.registered, r.endpoint, r.replay_endpoint, r.last_event_id) for r in document.ranks]
+    indexer.load_sections(decode_events_document(bytes(document.index)))
+    states = document.ranks
     indexer.restore_rank_states(states)
     subscriptions = [Subscription(s.model_name, s.tenant_id, s.block_size, s.instance_id, s.dp_rank, s.endpoint,
                                   s.replay_endpoint) for s in states if s.registered and s.endpoint]
