@@ -51,6 +51,17 @@ def test_contract_example(tracker: SlotTracker) -> None:
     assert loads_by_rank(tracker) == {(1, 0): (150, 4), (1, 1): (0, 3), (2, 0): (7, 0), (2, 1): (0, 0)}
 
 
+def test_size_counts_workers_and_active_requests_over_partitions(tracker: SlotTracker) -> None:
+    assert tracker.size() == (0, 0)
+    tracker.register(1, "m", "default", 16, 0, 2)
+    tracker.register(2, "other", "t", 16, 0, 1)
+    tracker.add("m", "default", "a", 1, 0, [1], 0)
+    tracker.add("other", "t", "a", 2, 0, [1], 0)
+    assert tracker.size() == (2, 2)
+    tracker.free("m", "default", "a")
+    assert tracker.size() == (2, 1)
+
+
 def test_potential_loads_counts_hashes_the_rank_does_not_hold(tracker: SlotTracker) -> None:
     tracker.register(1, "m", "default", 16, 0, 2)
     tracker.add("m", "default", "a", 1, 0, [1, 2, 3], 10)

@@ -207,6 +207,11 @@ class SlotTracker:
         # the state, such as `/loads`, stay valid while it is unchanged.
         self.version = 0
 
+    def size(self) -> tuple[int, int]:
+        """(workers, active requests) over every partition."""
+        partitions = self.partitions.values()
+        return sum(len(p.workers) for p in partitions), sum(len(p.requests) for p in partitions)
+
     # --- topology -------------------------------------------------------------------------
 
     def register(

@@ -187,10 +187,8 @@ class NatsReplication:
         self._tasks = [asyncio.create_task(self._publish_forever(), name="replication-publisher"),
                        asyncio.create_task(self._tick_forever(), name="replication-heartbeat"),
                        asyncio.create_task(self._repair_forever(), name="replication-repair")]
-        partitions = replica.tracker.partitions.values()
         logger.info("replica %016x joined in %.2fs from %s: %d workers, %d requests", replica.origin,
-                    time.perf_counter() - started, source, sum(len(p.workers) for p in partitions),
-                    sum(len(p.requests) for p in partitions))
+                    time.perf_counter() - started, source, *replica.tracker.size())
         return source
 
     async def stop(self) -> None:
