@@ -145,11 +145,14 @@ def resolve_tenant(tenant_id: str | None, routing_group: str | None) -> str:
     return "default"
 
 
+JSON_FAILURE: Final = "Failed to parse the request body as JSON: "
+
+
 def decode_json(body: bytes) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise MalformedRequest(f"Failed to parse the request body as JSON: {exc}") from None
+        raise MalformedRequest(f"{JSON_FAILURE}{exc}") from None
 
 
 # --- typed request bodies ---------------------------------------------------------------------

@@ -22,20 +22,20 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import orjson
 
-from dynamo_lite.errors import ServiceError
+from dynamo_lite.errors import MalformedRequest, ServiceError
 
 # The file handling is shared with the slot tracker's snapshots ("X as X": also this module's).
 from dynamo_lite.snapshots import SnapshotError as SnapshotError
 from dynamo_lite.snapshots import Snapshots as ServiceSnapshots
 from dynamo_lite.snapshots import read_file
 from dynamo_lite.snapshots import write_atomically as write_atomically
+from dynamo_lite.validation import JSON_FAILURE
 
 from .core import ApplyReport, Indexer
-from .protocols import PartitionEvents, approximation_to_json, event_to_json
+from .protocols import PartitionEvents, approximation_to_json, decode_events_document, event_to_json
 
 
 def encode(indexer: Indexer) -> bytes:
@@ -59,25 +59,20 @@ def encode_partitions(partitions: list[PartitionEvents]) -> Iterator[bytes]:
     yield b"}"
 
 
-def read(path: Path) -> Any | None:
-    """The parsed snapshot, or None when there is none yet."""
+def load(indexer: Indexer, path: Path) -> ApplyReport | None:
+    """Merge the snapshot at `path` into `indexer`; None when there is no snapshot yet.
+    Raises SnapshotError when the file is unreadable or not a valid dump (nothing applied)."""
     data = read_file(path)
     if data is None:
         return None
     try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise SnapshotError(f"snapshot {path} is not valid JSON: {exc}") from None
-
-
-def load(indexer: Indexer, path: Path) -> ApplyReport | None:
-    """Merge the snapshot at `path` into `indexer`; None when there is no snapshot yet.
-    Raises SnapshotError when the file is unreadable or not a valid dump (nothing applied)."""
-    document = read(path)
-    if document is None:
-        return None
+        sections = decode_events_document(data)
+    except MalformedRequest as exc:
+        raise SnapshotError(f"snapshot {path} is not valid JSON: {exc.message.removeprefix(JSON_FAILURE)}") from None
+    except ServiceError as exc:
+        raise SnapshotError(f"snapshot {path} is not a valid dump: {exc.message}") from None
     try:
-        return indexer.load_dump(document)
+        return indexer.load_sections(sections)
     except ServiceError as exc:
         raise SnapshotError(f"snapshot {path} is not a valid dump: {exc.message}") from None
 
