@@ -29,7 +29,7 @@ from dynamo_lite.indexer.tree import Node, PrefixTree, StoreStatus
 # --- document helpers ------------------------------------------------------------------------
 
 
-def section_9_2() -> Indexer:
+def worker_7_holds_four_blocks_worker_8_their_first_two() -> Indexer:
     indexer = Indexer()
     apply(
         indexer,
@@ -169,11 +169,11 @@ def test_serializer_writes_the_dump_shape_and_round_trips() -> None:
     assert parse_events_document(document) == [PartitionEvents("a:b", "c", 8, events)]
 
 
-# --- the reference's worked examples ----------------------------------------------------------
+# --- the worked example: worker 7 holds four blocks, worker 8 their first two ------------
 
 
-def test_section_9_2_scores_before_and_after_the_removal() -> None:
-    indexer = section_9_2()
+def test_worker_7_holds_four_blocks_worker_8_their_first_two_scores_before_and_after_the_removal() -> None:
+    indexer = worker_7_holds_four_blocks_worker_8_their_first_two()
     assert scores(indexer, L) == {"7": {"0": 64}, "8": {"0": 32}}
     assert scores(indexer, to_signed_list(L)) == {"7": {"0": 64}, "8": {"0": 32}}
     assert query_answer(indexer.query_tokens("llama", "default", list(range(1, 65)) + [5, 5, 5]))["scores"] == {
@@ -184,8 +184,8 @@ def test_section_9_2_scores_before_and_after_the_removal() -> None:
     assert scores(indexer, L) == {"7": {"0": 48}, "8": {"0": 32}}
 
 
-def test_section_9_2_exact_dump() -> None:
-    indexer = section_9_2()
+def test_worker_7_holds_four_blocks_worker_8_their_first_two_exact_dump() -> None:
+    indexer = worker_7_holds_four_blocks_worker_8_their_first_two()
     apply(indexer, doc(removed(7, 1, [164])))
 
     def block(ext: int, local: int) -> dict:
@@ -285,7 +285,7 @@ def test_lower_tiers_continue_the_device_match_in_order() -> None:
 
 
 def test_query_miss_and_a_query_not_starting_at_a_root_block() -> None:
-    indexer = section_9_2()
+    indexer = worker_7_holds_four_blocks_worker_8_their_first_two()
     empty = {"scores": {}, "frequencies": [], "instances": {}}
     assert query_answer(indexer.query("llama", "default", L[1:])) == empty
     assert query_answer(indexer.query("llama", "default", [])) == empty
@@ -293,7 +293,7 @@ def test_query_miss_and_a_query_not_starting_at_a_root_block() -> None:
 
 
 def test_the_result_counts_blocks_and_the_label_cache_stays_bounded() -> None:
-    indexer = section_9_2()
+    indexer = worker_7_holds_four_blocks_worker_8_their_first_two()
     result = indexer.query("llama", "default", L)
     assert (result.block_size, result.device, result.host_pinned, result.disk) == (16, {(7, 0): 4, (8, 0): 2}, {}, {})
     labels: answers.Labels = {}
@@ -699,7 +699,7 @@ def test_cleared_event_and_dp_ranks() -> None:
 
 
 def test_dump_and_load_dump_restore_partitions_and_workers() -> None:
-    source = section_9_2()
+    source = worker_7_holds_four_blocks_worker_8_their_first_two()
     apply(source, doc(stored(7, 1, 164, [165], [4242], storage_tier="host_pinned")))
     apply(source, doc(stored(2, 0, None, [1], [L[0]]), key="meta/llama:8b:default", block_size=4))
     dump = source.dump()

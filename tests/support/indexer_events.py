@@ -9,7 +9,7 @@ from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
 
-# Local hashes of range(1, 65) in blocks of 16 (reference §6.3 / §9.2).
+# Local hashes of the token ids 1..64 in blocks of 16: four blocks of one prompt.
 L = local_block_hashes(list(range(1, 65)), 16)
 
 
