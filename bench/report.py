@@ -14,16 +14,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Issue 13's targets: per core, ours ÷ Dynamo 1.6.1 at c=64 in the same run.
-REFERENCE_TARGETS = {"potential_loads": 0.5, "query_by_hash": 0.6, "loads": 0.7, "lifecycle": 0.5, "health": 0.9}
-P50_TARGET = 1.3
-FLAT_TARGET = 0.9
+# Issue 26's targets (issue 13's where it set none): per core, ours ÷ Dynamo 1.6.1 at c=64 in
+# the same run, p50 at c=1 likewise.
+REFERENCE_TARGETS = {"potential_loads": 0.8, "query_by_hash": 0.6, "loads": 0.7, "lifecycle": 0.7, "health": 0.9}
+P50_TARGETS = {"health": 1.3, "loads": 1.3, "potential_loads": 1.0, "lifecycle": 1.3, "query_by_hash": 1.3}
+FLAT_TARGET = 0.9  # /potential_loads req/s at the most active requests ÷ at the fewest
+QUERY_FLAT_TARGET = 0.95  # /query_by_hash req/s at the most indexed pairs ÷ at the fewest
 INDEX_MEMORY_TARGET = 1.0  # ours ÷ the reference, bytes per (block, worker) pair, each fill
 TRACKER_MEMORY_TARGET = 2.0  # ours ÷ the reference, bytes per (request, hash) at the most requests
 PAUSE_TARGET_MS = 5.0  # longest /query_by_hash latency while engines publish ~1M pairs
 INGEST_TARGET = 300_000
-EVENTS_VS_ZMQ_TARGET = 1.0  # ours' /events ingest ÷ the reference's ZMQ ingest, same run
-ZMQ_INGEST_TARGET = 0.7  # ours' ZMQ ingest ÷ the reference's, same run
+# Ours' /events ingest ÷ the reference's ZMQ ingest, same run: one event per POST pays a request
+# per event, which the engines' ZMQ batches do not.
+EVENTS_VS_ZMQ_TARGETS = {"1 event per POST": 0.8}
+EVENTS_VS_ZMQ_TARGET = 1.0  # any other /events shape (16 events per POST)
+ZMQ_INGEST_TARGET = 1.0  # ours' ZMQ ingest ÷ the reference's, same run
 # The pure cores (bench/cores.py), microseconds per call.
 CORE_TARGETS_US = {
     "potential_loads, 512 hashes, 16 ranks": 40.0,
@@ -33,7 +38,7 @@ CORE_TARGETS_US = {
     # Issue 28: what a configured API key may add to a request (bench/security.py).
     "API key check per request (keyed − open, native server, GET /loads)": 1.0,
 }
-INGEST_LATENCY_TARGET = 1.5  # /query_by_hash p50 while engines publish ÷ idle p50
+INGEST_LATENCY_TARGET = 1.3  # /query_by_hash p50 while engines publish ÷ idle p50
 ZMQ_DETAIL_PREFIX = "ZMQ"
 
 TITLES = {
@@ -114,8 +119,8 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         ratio = _ratio(table.median_p50_ms(scenario, "ours", 1), table.median_p50_ms(scenario, "reference", 1))
         measured = "—" if ratio is None else (f"{ratio:.2f}× ({_fmt_ms(table.median_p50_ms(scenario, 'ours', 1))} "
                                               f"vs {_fmt_ms(table.median_p50_ms(scenario, 'reference', 1))} ms)")
-        rows.append((f"{scenario}: p50 at c=1 ≤ {P50_TARGET}× the reference", measured,
-                     _verdict(ratio, P50_TARGET, higher_is_better=False)))
+        rows.append((f"{scenario}: p50 at c=1 ≤ {P50_TARGETS[scenario]}× the reference", measured,
+                     _verdict(ratio, P50_TARGETS[scenario], higher_is_better=False)))
     for ranks in ("16", "256"):
         points = [label for label in table.labels("scale_potential_loads") if label.startswith(f"{ranks} ranks")]
         if len(points) >= 2:
@@ -127,8 +132,8 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     small, large = _query_scaling(table)
     if small and large:
         flat = _ratio(large[1], small[1])
-        rows.append((f"/query_by_hash flat in indexed blocks: req/s at {large[0]} ÷ at {small[0]} ≥ {FLAT_TARGET}",
-                     _fmt_ratio(flat), _verdict(flat, FLAT_TARGET)))
+        rows.append((f"/query_by_hash flat in indexed blocks: req/s at {large[0]} ÷ at {small[0]} ≥ {QUERY_FLAT_TARGET}",
+                     _fmt_ratio(flat), _verdict(flat, QUERY_FLAT_TARGET)))
     rows.extend(_memory_targets(data))
     reference_zmq = next((rate for (role, detail), rate in sorted(ingest.items())
                           if role == "reference" and detail.startswith(ZMQ_DETAIL_PREFIX)), None)
@@ -137,9 +142,10 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append((f"/events ≥ {INGEST_TARGET:,} blocks/s ({detail})", f"{rate:,.0f} blocks/s",
                          _verdict(rate, INGEST_TARGET)))
             ratio = _ratio(rate, reference_zmq)
-            rows.append((f"/events ingest ≥ {EVENTS_VS_ZMQ_TARGET}× the reference's ZMQ ingest ({detail})",
+            wanted = EVENTS_VS_ZMQ_TARGETS.get(detail.split(",")[0], EVENTS_VS_ZMQ_TARGET)
+            rows.append((f"/events ingest ≥ {wanted}× the reference's ZMQ ingest ({detail})",
                          "—" if ratio is None else f"{_fmt_ratio(ratio)} ({rate:,.0f} vs {reference_zmq:,.0f} blocks/s)",
-                         _verdict(ratio, EVENTS_VS_ZMQ_TARGET)))
+                         _verdict(ratio, wanted)))
         elif role == "ours":
             ratio = _ratio(rate, ingest.get(("reference", detail)))
             rows.append((f"engine ingest over ZMQ ≥ {ZMQ_INGEST_TARGET}× the reference ({detail})",
