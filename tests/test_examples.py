@@ -123,8 +123,8 @@ def test_an_example_without_services_says_so_in_one_line(name: str) -> None:
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("argv", [["examples/gateway.py"], ["examples/sidecar.py"], ["-m", "dynamo_lite.simulate"]],
-                         ids=["gateway.py", "sidecar.py", "simulate"])
+@pytest.mark.parametrize("argv", [["examples/gateway.py"], ["examples/sidecar.py"], ["-m", "dynamo_lite.simulate"],
+                                  ["-m", "dynamo_lite.stack"]], ids=["gateway.py", "sidecar.py", "simulate", "stack"])
 def test_help_explains_every_flag_and_shows_each_default_once(argv: list[str]) -> None:
     out = run([sys.executable, *argv, "--help"], dict(os.environ))
     options = re.split(r"\n  (?=-)", out.split("options:", 1)[1])[1:]
@@ -132,3 +132,4 @@ def test_help_explains_every_flag_and_shows_each_default_once(argv: list[str]) -
     for option in options:
         assert len(option.split()) > 2, f"{option.split()[0]} has no help text"  # more than the flag and its metavar
         assert "(default: None)" not in option and option.count("default") <= 1, option
+        assert "(default: False)" not in option, option  # a switch is off unless given
