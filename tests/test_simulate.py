@@ -349,7 +349,8 @@ def test_unreachable_services_are_reported(tmp_path: Path, capsys: pytest.Captur
     dead = f"http://127.0.0.1:{free_port()}"
     assert main(["--trace", str(trace), "--slot-tracker", dead, "--indexer", dead, "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "python -m dynamo_lite.slot_tracker" in err and err.count("\n") == 1, err
+    assert "python -m dynamo_lite.stack --services-only" in err and "SLOT_TRACKER_URL" in err, err
+    assert err.count("\n") == 1, err
 
 
 def test_a_prompt_larger_than_a_rank_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
