@@ -1,4 +1,5 @@
-"""Write docs/configuration.md, the services' flags and environment variables, from their parsers.
+"""Write docs/configuration.md, the flags and environment variables of the services, the endpoint picker
+and the engine stand-in, from their parsers.
 
     python docs/generate_configuration.py           # (re)write docs/configuration.md
     python docs/generate_configuration.py --check   # exit 1, with a short diff, if the file is stale
@@ -6,7 +7,7 @@
 Each service's `main` builds its argparse parser and hands it to `dynamo_lite.cli.parse_args`;
 the generator runs `main` with that function replaced by one that catches the parser, so the
 tables list exactly the flags the services take (a flag added to a parser shows up here, and
-`tests/test_docs.py` fails until the page is regenerated). Help texts are the parsers' own.
+`tests/test_docs_site.py` fails until the page is regenerated). Help texts are the parsers' own.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Program:
 PROGRAMS = (
     Program("Slot tracker", "dynamo_lite.slot_tracker", "dynamo-lite-slot-tracker"),
     Program("Indexer", "dynamo_lite.indexer", "dynamo-lite-indexer"),
+    Program("Endpoint picker", "dynamo_lite.epp", "dynamo-lite-epp"),
+    Program("Engine stand-in", "dynamo_lite.mock_engine", "dynamo-lite-mock-engine"),
 )
 
 
@@ -66,7 +69,7 @@ def default_text(action: argparse.Action) -> str:
     default = action.default
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)) and not default:
         return "off"
-    if default is None or default == "" or default == ():
+    if default is None or default == "" or default == () or default == []:
         return "none"
     if isinstance(default, (tuple, list)):
         return "`" + ",".join(map(str, default)) + "`"

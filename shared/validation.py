@@ -136,7 +136,7 @@ def _optional_string(body: dict[str, Any], name: str) -> str | None:
 def resolve_tenant(tenant_id: str | None, routing_group: str | None) -> str:
     if tenant_id is not None and routing_group is not None and tenant_id != routing_group:
         raise InvalidArgument(
-            f"tenant_id {tenant_id!r} and its alias routing_group {routing_group!r} differ; send one"
+            f"tenant_id `{tenant_id}` and its alias routing_group `{routing_group}` differ; send one"
         )
     if tenant_id is not None:
         return tenant_id
@@ -145,7 +145,7 @@ def resolve_tenant(tenant_id: str | None, routing_group: str | None) -> str:
     return "default"
 
 
-JSON_FAILURE: Final = "Failed to parse the request body as JSON: "
+JSON_FAILURE: Final = "failed to parse the request body as JSON: "
 
 
 def decode_json(body: bytes) -> Any:

@@ -14,12 +14,13 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from support.docs_support import blocks
+from support.docs_support import blocks, marked_blocks
 from support.reference_server import running_service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,16 +116,18 @@ def test_an_example_meeting_its_ids_in_use_says_why_in_one_line_and_leaves_them(
     assert_left_clean(services)
 
 
-@pytest.mark.parametrize("name", ["quickstart.py", "gateway.py", "sidecar.py"])
+@pytest.mark.parametrize("name", list(EVERY_EXAMPLE))
 def test_an_example_without_services_says_so_in_one_line(name: str) -> None:
+    if name.endswith(".sh") and shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
     env = {**os.environ, "SLOT_TRACKER_URL": "http://127.0.0.1:9", "INDEXER_URL": "http://127.0.0.1:9"}
     done = subprocess.run(EVERY_EXAMPLE[name], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 1, done
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("argv", [["examples/gateway.py"], ["examples/sidecar.py"], ["-m", "dynamo_lite.simulate"]],
-                         ids=["gateway.py", "sidecar.py", "simulate"])
+@pytest.mark.parametrize("argv", [["examples/gateway.py"], ["examples/sidecar.py"], ["-m", "dynamo_lite.simulate"],
+                                  ["-m", "dynamo_lite.stack"]], ids=["gateway.py", "sidecar.py", "simulate", "stack"])
 def test_help_explains_every_flag_and_shows_each_default_once(argv: list[str]) -> None:
     out = run([sys.executable, *argv, "--help"], dict(os.environ))
     options = re.split(r"\n  (?=-)", out.split("options:", 1)[1])[1:]
@@ -132,3 +135,39 @@ def test_help_explains_every_flag_and_shows_each_default_once(argv: list[str]) -
     for option in options:
         assert len(option.split()) > 2, f"{option.split()[0]} has no help text"  # more than the flag and its metavar
         assert "(default: None)" not in option and option.count("default") <= 1, option
+        assert "(default: False)" not in option, option  # a switch is off unless given
+
+
+def test_the_walkthrough_the_examples_and_the_simulator_run_at_once_on_the_same_services(
+        services: dict[str, str]) -> None:
+    """Each has worker ids and a model of its own, so they do not clash even when they overlap in
+    time (a newcomer's simulator in one terminal, the examples in another): while the simulator
+    replays the bundled sample (its workers registered), the walkthrough and every example run at
+    once; every call succeeds and the services are left as they were."""
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    ((_, walkthrough), *_) = marked_blocks("routing-walkthrough")
+    walkthrough = re.sub(r"^B=\S+", f"B={services['SLOT_TRACKER_URL']}", walkthrough, count=1, flags=re.M)
+    walkthrough = re.sub(r"^I=\S+", f"I={services['INDEXER_URL']}", walkthrough, count=1, flags=re.M)
+    script = ('set -euo pipefail\ncurl() { command curl -sSf -H "Authorization: Bearer $DYNAMO_LITE_API_KEY" "$@"; }\n'
+              + walkthrough)
+    programs = {**EVERY_EXAMPLE, "walkthrough": ["bash", "-c", script]}
+
+    def start(argv: list[str]) -> subprocess.Popen[str]:
+        return subprocess.Popen(argv, env=services, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    simulator = start([sys.executable, "-m", "dynamo_lite.simulate", "--policy", "kv", "--quiet"])
+    deadline = time.monotonic() + 60
+    while not any(worker["model_name"].startswith("sim-")
+                  for worker in httpx.get(services["INDEXER_URL"] + "/workers", headers=AUTH).json()):
+        assert simulator.poll() is None and time.monotonic() < deadline, simulator.communicate()
+        time.sleep(0.05)
+    running = {name: start(argv) for name, argv in programs.items()}
+    running["simulator"] = simulator
+    failed = {}
+    for name, process in running.items():
+        _, err = process.communicate(timeout=300)
+        if process.returncode != 0:
+            failed[name] = (process.returncode, err[-2000:])
+    assert not failed, failed
+    assert_left_clean(services)

@@ -525,7 +525,7 @@ def test_register_conflicts_use_dynamo_messages() -> None:
         indexer.register(301, "m6", "default", 4)
     with pytest.raises(InvalidArgument, match="block_size must be greater than 0"):
         indexer.register(303, "m7", "default", 0)
-    with pytest.raises(InvalidArgument, match="must not contain ':'"):
+    with pytest.raises(InvalidArgument, match="must not contain `:`"):
         indexer.register(303, "m7", "a:b", 4)
     assert list(indexer.partitions) == [("m5", "default")]
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import zmq
 from support.indexer_zmq import BLOCK, CHAIN, TOKENS, chain, eventually, listener, query, wait_seq
-from support.reference_server import ServerURL, free_port, running_server
+from support.reference_server import ServerURL, free_port, running_server, running_service
 
 from dynamo_lite.indexer.listeners import REPLAY_ATTEMPTS
 from dynamo_lite.kv_publishers import Cleared, DpEngine, EnginePublisher, Removed, WireFormat
@@ -336,22 +336,27 @@ def test_unreachable_engines_never_block_the_others(
     assert len(refusals) == 1, refusals
 
 
-def test_an_endpoint_that_accepts_tcp_but_never_speaks_zmq_is_not_active(
-    indexer: httpx.Client, indexer_url: ServerURL
-) -> None:
+def test_an_endpoint_that_accepts_tcp_but_never_speaks_zmq_is_not_active() -> None:
+    """Nor does /metrics count it active (an indexer of its own: the shared one's listeners change
+    state meanwhile)."""
     model, worker = model_name(), next(_ids)
-    # The kernel completes TCP connections to a listening socket; nothing ever answers ZMQ.
-    with socket.create_server(("127.0.0.1", 0)) as mute:
-        endpoint = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
-        response = indexer.post("/register", json={"instance_id": worker, "model_name": model,
-                                                   "block_size": BLOCK, "endpoint": endpoint})
-        assert response.status_code == 201
-        info = eventually(lambda: listener(indexer, model, worker), lambda info: info["error"] is not None,
-                          "the handshake timing out")  # HANDSHAKE_TIMEOUT_MS
-        assert info["status"] == "connecting" and "no ZMQ handshake" in info["error"], info
-        assert listener(indexer, model, worker)["status"] == "connecting"
-    assert indexer.post("/unregister", json={"instance_id": worker, "model_name": model}).status_code == 200
-    assert not [line for line in indexer_url.log_text().splitlines() if f"{endpoint} is active" in line]
+    with running_service("indexer", "--log-level", "info") as indexer_url, \
+            httpx.Client(base_url=indexer_url, timeout=30) as indexer:
+        # The kernel completes TCP connections to a listening socket; nothing ever answers ZMQ.
+        with socket.create_server(("127.0.0.1", 0)) as mute:
+            endpoint = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
+            response = indexer.post("/register", json={"instance_id": worker, "model_name": model,
+                                                       "block_size": BLOCK, "endpoint": endpoint})
+            assert response.status_code == 201
+            info = eventually(lambda: listener(indexer, model, worker), lambda info: info["error"] is not None,
+                              "the handshake timing out")  # HANDSHAKE_TIMEOUT_MS
+            assert info["status"] == "connecting" and "no ZMQ handshake" in info["error"], info
+            assert listener(indexer, model, worker)["status"] == "connecting"
+            metrics = indexer.get("/metrics").text
+            assert 'dynamo_lite_indexer_zmq_listeners{status="active"} 0.0' in metrics, metrics
+            assert 'dynamo_lite_indexer_zmq_listeners{status="connecting"} 1.0' in metrics, metrics
+        assert indexer.post("/unregister", json={"instance_id": worker, "model_name": model}).status_code == 200
+        assert not [line for line in indexer_url.log_text().splitlines() if f"{endpoint} is active" in line]
 
 
 def test_sixteen_engines_at_once(indexer: httpx.Client, context: zmq.Context) -> None:

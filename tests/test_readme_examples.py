@@ -12,6 +12,7 @@ docs only imagine (`http://other-indexer:8090`) appears in the text, never in a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 from support.docs_support import block_starting_with, blocks, marked_blocks
-from support.reference_server import running_service
+from support.reference_server import listening, running_service
 
 STATUS_MARK = "\n__status__="
 
@@ -183,9 +184,8 @@ def test_the_readme_set_up_starts_both_services_for_the_walkthrough_and_the_exam
     command = setup.strip().split(" && ")[-1]
     assert command == ".venv/bin/python -m dynamo_lite.stack --services-only", setup
     for port in (8090, 8091):
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                pytest.skip(f"port {port} is taken (another service runs on this machine)")
+        if listening(port):
+            pytest.skip(f"port {port} is taken (another service runs on this machine)")
     process = subprocess.Popen([sys.executable, "-m", "dynamo_lite.stack", "--services-only", "--workdir", str(tmp_path)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -206,3 +206,22 @@ def test_the_readme_set_up_starts_both_services_for_the_walkthrough_and_the_exam
         process.send_signal(signal.SIGINT)
         process.wait(timeout=30)
     assert process.returncode == 0
+
+
+def test_the_readme_set_up_on_a_taken_port_says_so_in_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    """A service of an earlier run still holds 8091: the set-up command ends at once with one line
+    naming the port, status 1, before it starts anything (its readiness probe would otherwise be
+    answered by whoever holds the port, and it would report a service ready that had failed)."""
+    with contextlib.ExitStack() as stack:
+        if not listening(8091):
+            holder = stack.enter_context(socket.socket())
+            holder.bind(("127.0.0.1", 8091))
+            holder.listen()
+        indexer_was_up = listening(8090)
+        done = subprocess.run([sys.executable, "-m", "dynamo_lite.stack", "--services-only", "--workdir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, done
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert "8091 (slot_tracker)" in done.stderr and "already in use" in done.stderr and done.stdout == "", done
+        assert indexer_was_up or not listening(8090)
+        assert list(tmp_path.glob("*.log")) == []

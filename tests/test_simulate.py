@@ -348,7 +348,9 @@ def test_unreachable_services_are_reported(tmp_path: Path, capsys: pytest.Captur
     trace.write_text(conversation_trace(conversations=1, turns=1)[0] + "\n")
     dead = f"http://127.0.0.1:{free_port()}"
     assert main(["--trace", str(trace), "--slot-tracker", dead, "--indexer", dead, "--quiet"]) == 2
-    assert "python -m dynamo_lite.slot_tracker" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "python -m dynamo_lite.stack --services-only" in err and "SLOT_TRACKER_URL" in err, err
+    assert err.count("\n") == 1, err
 
 
 def test_a_prompt_larger_than_a_rank_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

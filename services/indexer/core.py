@@ -600,7 +600,7 @@ class Indexer:
 def _check_partition_name(tenant_id: str) -> None:
     # Partition keys are split at their last colon; a colon in the tenant would misread.
     if ":" in tenant_id:
-        raise InvalidArgument(f"tenant_id {tenant_id!r} must not contain ':'")
+        raise InvalidArgument(f"tenant_id `{tenant_id}` must not contain `:`")
 
 
 def _reason(status: StoreStatus, worker_id: int, dp_rank: int, parent_hash: int | None, kind: str) -> str:

@@ -3,9 +3,9 @@
 Without `--trace` it replays the bundled sample, the first 300 requests of the public Mooncake
 conversation trace (`data/conversation_sample.jsonl`, see `data/README.md`).
 
-Both services must already run (`python -m dynamo_lite.slot_tracker`, `python -m
-dynamo_lite.indexer`). Each policy gets a fresh simulated fleet and its own model name, and its
-workers are unregistered from both services afterwards, so runs never see each other's state.
+Both services must already run (`python -m dynamo_lite.stack --services-only` starts them).
+Each policy gets a fresh simulated fleet and its own model name, and its workers are
+unregistered from both services afterwards, so runs never see each other's state.
 
 The defaults model 8 single-rank workers with 8192 KV blocks of 64 tokens each (512k tokens,
 about an 8B model on one 80 GB GPU), prefill at 8000 tokens/s and decode at 40 tokens/s per
@@ -146,8 +146,9 @@ async def simulate(requests: list[SimRequest], config: FleetConfig, args: argpar
         recorder = LatencyRecorder()
         async with service_clients(args.slot_tracker, args.indexer, recorder,
                                    credentials=client_credentials_from(args)) as (slot_tracker, indexer):
-            await _check_reachable(slot_tracker.health(), "slot tracker", args.slot_tracker, "dynamo_lite.slot_tracker")
-            await _check_reachable(indexer.health(), "indexer", args.indexer, "dynamo_lite.indexer")
+            await _check_reachable(slot_tracker.health(), "slot tracker", args.slot_tracker, "--slot-tracker",
+                                   "SLOT_TRACKER_URL")
+            await _check_reachable(indexer.health(), "indexer", args.indexer, "--indexer", "INDEXER_URL")
             policy = make_policy(
                 name, slot_tracker=slot_tracker, indexer=indexer, model_name=model_name,
                 ranks=config.rank_keys(), block_size=config.block_size, router_config=router_config,
@@ -166,13 +167,13 @@ class Unreachable(Exception):
     pass
 
 
-async def _check_reachable(call: Any, what: str, url: str, module: str) -> None:
+async def _check_reachable(call: Any, what: str, url: str, flag: str, variable: str) -> None:
     try:
         await call
     except ServiceCallError as exc:
         raise Unreachable(
-            f"the {what} at {url} does not answer /health ({exc.message}); start it with "
-            f"`python -m {module} --host 127.0.0.1` or pass its URL"
+            f"the {what} at {url} does not answer /health ({exc.message}); start both services with "
+            f"`python -m dynamo_lite.stack --services-only`, or pass its URL ({flag} or {variable})"
         ) from None
 
 

@@ -242,7 +242,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _port_in_use(port: int) -> bool:
+def listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:`port`."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
         return sock.connect_ex(("127.0.0.1", port)) == 0
@@ -334,7 +335,7 @@ def running_server(
     `verify` and `cert`.
     """
     argv = [str(a) for a in argv]
-    if _port_in_use(port):
+    if listening(port):
         raise RuntimeError(f"port {port} is already in use; cannot start {' '.join(argv)}")
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
