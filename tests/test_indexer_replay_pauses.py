@@ -28,7 +28,7 @@ from support.indexer_zmq import BLOCK, chain, eventually, listener, query, wait_
 from support.nats_support import NatsServer
 from support.reference_server import ServerURL, free_port, running_server
 
-from dynamo_lite.indexer.listeners import REPLAY_ATTEMPTS, REPLAY_BACKOFF_SECS
+from dynamo_lite.indexer.listeners import REPLAY_ATTEMPTS, REPLAY_BACKOFF_SECS, REPLAY_WAIT_SLICE_SECS, ReplayDeadline
 from dynamo_lite.kv_publishers import EnginePublisher, WireFormat
 
 REPLAY_TIMEOUT_SECS = 2.0
@@ -246,3 +246,39 @@ def test_listener_counters_are_the_same_with_and_without_nats(context: zmq.Conte
         assert (views[0]["ignored_events"], views[0]["decode_failures"]) == ({"unknown_medium": 1}, 1)
         assert views[1] == views[0] and views[2] == views[0]
         assert metrics[1] == metrics[0] and metrics[2] == metrics[0]
+
+
+# --- the deadline's decisions (ReplayDeadline, the pure part of a replay request) -------------
+
+
+def waited_out(deadline: ReplayDeadline) -> int:
+    """Wait slice after slice, nothing arriving, until the deadline gives up; how many slices."""
+    slices = 0
+    while (wait := deadline.next_wait(answer_waiting=False)) is not None:
+        assert 0 < wait <= REPLAY_WAIT_SLICE_SECS
+        deadline.waited(wait, wait)
+        slices += 1
+    return slices
+
+
+def test_an_answer_waiting_is_read_even_past_the_deadline() -> None:
+    deadline = ReplayDeadline(REPLAY_TIMEOUT_SECS)
+    waited_out(deadline)
+    assert deadline.next_wait(answer_waiting=False) is None
+    assert deadline.next_wait(answer_waiting=True) == 0.0
+
+
+def test_the_replay_deadline_runs_from_the_last_answer() -> None:
+    deadline = ReplayDeadline(REPLAY_TIMEOUT_SECS)
+    deadline.waited(REPLAY_WAIT_SLICE_SECS, REPLAY_WAIT_SLICE_SECS)
+    deadline.answered()
+    assert waited_out(deadline) == round(REPLAY_TIMEOUT_SECS / REPLAY_WAIT_SLICE_SECS)
+
+
+def test_a_process_stopped_in_a_wait_keeps_its_deadline() -> None:
+    deadline = ReplayDeadline(REPLAY_TIMEOUT_SECS)
+    wait = deadline.next_wait(answer_waiting=False)
+    assert wait is not None
+    deadline.waited(wait, PAUSE_SECS)  # SIGSTOP for longer than the whole deadline
+    assert deadline.quiet_secs == wait
+    assert deadline.next_wait(answer_waiting=False) is not None
