@@ -409,6 +409,11 @@ class EnginePublisher:
         self.seq = 0  # the seq the next publish uses
         self.subscribers = 0  # net subscriptions seen by `wait_for_subscribers`
         self.replay_requests = 0  # valid replay requests received (read it after a replay ends)
+        # (time.monotonic(), start_seq) of each of those requests, in the order they arrived.
+        self.replay_log: list[tuple[float, int]] = []
+        # Batches an answer sends before it breaks off without its end marker (None: whole
+        # answers): an engine that stalls or dies in the middle of a replay.
+        self.replay_answer_limit: int | None = None
         # Seconds between two replayed messages: an engine whose publisher thread answers a
         # replay in pieces while it also publishes (the answer spreads over time).
         self.replay_pause_secs = 0.0
@@ -557,20 +562,26 @@ class EnginePublisher:
                 if len(request) != 3:
                     continue  # the engines log "Invalid replay request" and ignore it
                 identity, _, start = request
+                start_seq = int.from_bytes(start, "big")
                 with self._lock:
                     self.replay_requests += 1
-                held.append((identity, int.from_bytes(start, "big")))
+                    self.replay_log.append((time.monotonic(), start_seq))
+                held.append((identity, start_seq))
         finally:
             router.close(linger=0)
 
     def _answer_replay(self, router: zmq.Socket, identity: bytes, start_seq: int) -> None:
-        """Every buffered batch from `start_seq` on, as the buffer is now, then the end marker."""
+        """Every buffered batch from `start_seq` on, as the buffer is now, then the end marker
+        (only the first `replay_answer_limit` batches and no end marker, when it is set)."""
         with self._lock:
             batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
-        for seq, payload in batches:
+        limit = self.replay_answer_limit
+        for seq, payload in batches[:limit]:
             router.send_multipart(self._replay_frames(identity, self.topic, seq.to_bytes(8, "big"), payload))
             if self.replay_pause_secs and self._stop.wait(self.replay_pause_secs):
                 return
+        if limit is not None and len(batches) > limit:
+            return  # broken off: the subscriber hears nothing more of this answer
         # The end marker's topic frame (where there is one) is empty, not the topic.
         router.send_multipart(self._replay_frames(identity, b"", END_SEQ, b""))
 

@@ -59,7 +59,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -143,6 +143,36 @@ class ListenerCounts:
     replayed_batches: int = 0
     replay_failures: int = 0  # replays given up: REPLAY_ATTEMPTS requests left unfinished
     restarts: int = 0  # engine restarts detected
+
+
+@dataclass(slots=True)
+class ReplayDeadline:
+    """When one replay request stops waiting for its engine: the pure part of
+    `EngineListener._request_replay`, which does the reading and waiting it decides.
+
+    The deadline runs from the last answer received, not from the request, and counts only
+    time this process ran: each wait counts for at most the slice it was asked to last, so a
+    process stopped in the middle of one (SIGSTOP, a debugger, a paused VM) finds the deadline
+    where it was. An answer that has arrived is always read, whatever the deadline says."""
+
+    timeout_secs: float
+    quiet_secs: float = 0.0  # waited since the last answer (or the request), pauses not counted
+
+    def next_wait(self, answer_waiting: bool) -> float | None:
+        """0.0: read the answer waiting; seconds: wait that long for one; None: give up."""
+        if answer_waiting:
+            return 0.0
+        if self.quiet_secs >= self.timeout_secs:
+            return None
+        return min(REPLAY_WAIT_SLICE_SECS, self.timeout_secs - self.quiet_secs)
+
+    def waited(self, asked_secs: float, took_secs: float) -> None:
+        """A wait asked to last `asked_secs` returned after `took_secs` (more: the process was
+        stopped in it)."""
+        self.quiet_secs += min(took_secs, asked_secs)
+
+    def answered(self) -> None:
+        self.quiet_secs = 0.0
 
 
 class BatchPublisher(Protocol):
@@ -504,23 +534,24 @@ class EngineListener:
         reader: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         applied = 0
-        quiet = 0.0  # seconds waited since the last answer, pauses of the process not counted
+        deadline = ReplayDeadline(self.replay_timeout_secs)
         while True:
-            try:
-                frames = reader.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                # What has arrived is read before the deadline is looked at.
-                if quiet >= self.replay_timeout_secs:
-                    # A late answer must not be read as the answer to the next request.
-                    self._dealer.close(0)
-                    self._dealer = None
-                    return False
-                slice_secs = min(REPLAY_WAIT_SLICE_SECS, self.replay_timeout_secs - quiet)
+            wait = deadline.next_wait(bool(cast(int, reader.get(zmq.EVENTS)) & zmq.POLLIN))
+            if wait is None:
+                # A late answer must not be read as the answer to the next request.
+                self._dealer.close(0)
+                self._dealer = None
+                return False
+            if wait:
                 waited_from = time.monotonic()
-                await dealer.poll(int(slice_secs * 1000) + 1)  # POLLIN, the default
-                quiet += min(time.monotonic() - waited_from, slice_secs)
+                await dealer.poll(int(wait * 1000) + 1)  # POLLIN, the default
+                deadline.waited(wait, time.monotonic() - waited_from)
                 continue
-            quiet = 0.0
+            try:
+                frames = reader.recv_multipart(zmq.NOBLOCK)  # POLLIN: a whole message is queued
+            except zmq.Again:
+                continue
+            deadline.answered()
             if frames and not frames[0]:
                 frames = frames[1:]  # the envelope delimiter
             if len(frames) == 3:
