@@ -249,12 +249,15 @@ def key_files(args: argparse.Namespace) -> KeyFiles | None:
     return KeyFiles(ApiKeys.from_texts(write, read, public_metrics=args.public_metrics), *sources)
 
 
-def add_client_arguments(parser: argparse.ArgumentParser, *, api_key_flag: str = "--api-key") -> None:
-    """The flags of a program that calls the services: the key it sends and its TLS settings."""
+def add_client_arguments(parser: argparse.ArgumentParser, *, api_key_flag: str = "--api-key",
+                         default_key: str = "DYNAMO_LITE_API_KEY (its first key when it lists several)") -> None:
+    """The flags of a program that calls the services: the key it sends and its TLS settings.
+    `api_key_flag` names the key's flag (its `dest` follows the name); `default_key` says, in
+    its help, what is sent without it."""
     group = parser.add_argument_group("calling the services (API key, TLS)")
-    group.add_argument(api_key_flag, dest="api_key", default=None, metavar="KEY",
+    group.add_argument(api_key_flag, dest=_dest(api_key_flag), default=None, metavar="KEY",
                        help="API key sent to the slot tracker and the indexer (`Authorization: Bearer KEY`); "
-                       "default: DYNAMO_LITE_API_KEY (its first key when it lists several)")
+                       f"default: {default_key}")
     group.add_argument("--services-ca-certs", default=None, metavar="PATH",
                        help="CA bundle that signed the services' certificates (https:// URLs); default: the system's")
     group.add_argument("--services-certfile", default=None, metavar="PATH",
@@ -262,10 +265,20 @@ def add_client_arguments(parser: argparse.ArgumentParser, *, api_key_flag: str =
     group.add_argument("--services-keyfile", default=None, metavar="PATH", help="private key of --services-certfile")
 
 
-def client_credentials_from(args: argparse.Namespace) -> ClientCredentials:
-    """What `add_client_arguments`' flags say to present to the services."""
-    keys: list[str] = key_list(args.api_key) if args.api_key is not None else []
-    api_key = (keys[0] if keys else None) if args.api_key is not None else api_key_from_env()
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def client_credentials_from(args: argparse.Namespace, *, api_key_flag: str = "--api-key",
+                            default_key: str | None = None) -> ClientCredentials:
+    """What `add_client_arguments`' flags say to present to the services; without the key's
+    flag, `default_key`, else DYNAMO_LITE_API_KEY's first key."""
+    text: str | None = getattr(args, _dest(api_key_flag))
+    if text is not None:
+        keys = key_list(text)
+        api_key = keys[0] if keys else None
+    else:
+        api_key = default_key or api_key_from_env()
     cert = None
     if args.services_certfile:
         cert = (args.services_certfile, args.services_keyfile) if args.services_keyfile else args.services_certfile

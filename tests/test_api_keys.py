@@ -85,6 +85,26 @@ def test_without_keys_every_route_is_open_and_with_keys_only_the_probes(service:
     assert app._table["/dump"].access is Access.WRITE  # the whole state: replicas, not gateways
 
 
+@pytest.mark.parametrize("service", sorted(APPS))
+def test_the_openapi_documents_say_what_each_route_asks(service: str) -> None:
+    """Open routes declare no security; the others the `bearerKey` scheme and a 401, and the
+    routes a read-only key may not call a 403 as well."""
+    import yaml
+
+    document = yaml.safe_load((Path(__file__).parents[1] / "openapi" / f"{service}.yaml").read_text())
+    assert document["components"]["securitySchemes"]["bearerKey"]["scheme"] == "bearer"
+    for method, path, access in routes(service):
+        operation = document["paths"][path][method.lower()]
+        statuses = set(operation["responses"])
+        where = f"{method} {path}"
+        if access is Access.OPEN:
+            assert operation.get("security") == [] and not statuses & {"401", "403"}, where
+            continue
+        assert operation.get("security", document["security"]) == [{"bearerKey": []}], where
+        assert "401" in statuses, where
+        assert ("403" in statuses) == (access is Access.WRITE), where
+
+
 # --- both services as real processes ----------------------------------------------------------
 
 
@@ -213,6 +233,20 @@ def test_a_replica_started_with_peers_presents_its_key_to_their_dump(tmp_path: P
         with keyed_service("slot_tracker", tmp_path, "--peers", first) as second:
             with SlotTrackerClient(second, api_key=FILE_KEY) as client:
                 assert [worker.worker_id for worker in client.workers()] == [7]
+
+
+def test_an_indexer_started_with_peers_presents_its_key_to_their_dump(tmp_path: Path) -> None:
+    """The indexer's recovery: without the key the peer's `/dump` is a 401 and the replica would
+    start empty (`--recovery-timeout-secs` bounds the wait)."""
+    with keyed_service("indexer", tmp_path) as first:
+        with IndexerClient(first, api_key=OLD_KEY) as client:
+            client.register(8, "m", 16)
+            client.events({"m:default": {"block_size": 16, "events": [{"worker_id": 8, "event": {
+                "event_id": 0, "dp_rank": 0, "data": {"stored": {"parent_hash": None, "blocks": [
+                    {"block_hash": 1, "tokens_hash": 2}]}}}}]}})  # a dump carries workers with blocks
+        with keyed_service("indexer", tmp_path, "--peers", first, "--recovery-timeout-secs", "2") as second:
+            with IndexerClient(second, api_key=FILE_KEY) as client:
+                assert [worker["instance_id"] for worker in client.workers()] == [8]
 
 
 def test_the_simulator_clients_present_the_key(tmp_path: Path) -> None:

@@ -160,3 +160,22 @@ def test_rewriting_keeps_the_gateway_section_at_the_end(tmp_path) -> None:
         text = path.read_text()
         assert text.endswith("\n\n" + gateway)
         assert text.count("## Gateway") == 1 and "uvicorn costs 70 us per request." in text
+
+
+def test_a_full_run_measures_the_key_check_and_tls_and_reports_both() -> None:
+    """Issue 28: `python -m bench` (no --only) runs the security scenario; its key check row is
+    judged against the ≤ 1 µs target and the TLS rows get their table."""
+    from bench.__main__ import parse_args
+    from bench.security import KEY_CHECK_ROW
+
+    assert "security" in parse_args([]).selected
+    tls = [{"route": "/potential_loads", "connections": 64, "scheme": scheme, "rps": rps, "p50_us": p50}
+           for scheme, rps, p50 in (("http", 20_000.0, 2000.0), ("https", 15_000.0, 2600.0))]
+    data = _data(cores=[{"name": KEY_CHECK_ROW, "us": 0.6}], security=tls)
+    (row,) = [row for row in report.targets(data) if KEY_CHECK_ROW in row[0]]
+    assert "≤ 1" in row[0] and "0.6" in row[1] and "not" not in row[2].lower(), row
+    slow = [row for row in report.targets(_data(cores=[{"name": KEY_CHECK_ROW, "us": 1.4}]))
+            if KEY_CHECK_ROW in row[0]]
+    assert "not" in slow[0][2].lower(), slow
+    text = report.render(data)
+    assert "## TLS on the heavy routes" in text and "| `/potential_loads` | 64 | 20,000 | 15,000 |" in text

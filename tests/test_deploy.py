@@ -760,6 +760,8 @@ def test_both_services_and_the_picker_take_their_api_keys_from_one_secret(tmp_pa
     picker = only_container(deployment_of("dynamo_lite.epp"))
     (key,) = [item for item in picker["env"] if item["name"] == "DYNAMO_LITE_API_KEY"]
     assert key["valueFrom"]["secretKeyRef"] == {"name": "dynamo-lite-api-keys", "key": "client-key"}
+    # The same key guards the picker's HTTP port; its /metrics stays open for the annotations.
+    assert {"name": "DYNAMO_LITE_PUBLIC_METRICS", "value": "true"} in picker["env"]
 
     slot_tracker = next(c for c in CONTAINERS if c["command"][-1] == "dynamo_lite.slot_tracker")
     env = {item["name"]: item["value"] for item in slot_tracker["env"]}

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from dynamo_lite.cli import (
     add_client_arguments,
+    add_security_arguments,
+    check_security_arguments,
     client_credentials_from,
     configure_logging,
     non_negative_float,
@@ -23,6 +25,8 @@ from dynamo_lite.routing import RouterConfig
 from .app import DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EppConfig, create_app
 from .picker import DEFAULT_FALLBACKS, DEFAULT_PRIORITY_HEADER, PickerSettings
 from .queue import QueuePolicy
+
+SERVICES_API_KEY_FLAG = "--services-api-key"
 
 
 def _port(text: str) -> int:
@@ -53,9 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = ("gRPC port Envoy's ext_proc filter calls: ext_proc and gRPC health (liveness, "
                            "readiness, the ExternalProcessor service)")
         if action.dest == "host":
-            action.help = "address both the gRPC and the HTTP side bind (no authentication: a trusted network)"
+            action.help = ("address both the gRPC and the HTTP side bind (the gRPC side has no authentication: "
+                           "a trusted network, or TLS with --cert)")
     parser.add_argument("--metrics-port", type=_port, default=DEFAULT_METRICS_PORT,
-                        help="HTTP port of /metrics, /health, /ready, /pool and POST /busy_threshold")
+                        help="HTTP port of /metrics, /health, /ready, /pool and POST /busy_threshold (with "
+                        "--api-key: /pool and /metrics need a key, /busy_threshold a full one)")
     parser.add_argument("--cert", default=None, help="PEM certificate: serve gRPC over TLS (with --key)")
     parser.add_argument("--key", default=None, help="PEM private key of --cert")
     services = parser.add_argument_group("the services and the pool")
@@ -103,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "(Dynamo's latency_sensitivity)")
     parser.add_argument("--shutdown-grace-secs", type=non_negative_float, default=30.0,
                         help="on SIGTERM, how long streams in flight may take to finish")
-    add_client_arguments(parser)
+    # The HTTP side's keys and TLS are the services' flags; the picker presents its first full
+    # key to the services unless --services-api-key says otherwise (one fleet, one key).
+    add_security_arguments(parser)
+    add_client_arguments(parser, api_key_flag=SERVICES_API_KEY_FLAG,
+                         default_key="the first full key of --api-key / --api-key-file")
     return parser
 
 
@@ -114,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--pool FILE is required (a JSON or YAML list of the engines to route to)")
     if (args.cert is None) != (args.key is None):
         parser.error("--cert and --key go together")
+    check_security_arguments(parser, args)
     configure_logging(args.log_level, args.log_format)
     try:
         router = RouterConfig(
@@ -130,11 +141,13 @@ def main(argv: list[str] | None = None) -> None:
         queue_max_size=args.queue_max_size, priority_header=args.priority_header.lower(), fallbacks=args.fallbacks,
         seed=args.seed,
     )
+    own_key = args.api_keys.write_keys[0] if args.api_keys is not None else None
     config = EppConfig(
         pool_file=args.pool, slot_tracker_url=args.slot_tracker, indexer_url=args.indexer, tokenizer=args.tokenizer,
         render_url=args.render_url, grpc_host=args.host, grpc_port=args.port, cert=args.cert, key=args.key,
         picker=settings, pool_poll_secs=args.pool_poll_secs, shutdown_grace_secs=args.shutdown_grace_secs,
-        credentials=client_credentials_from(args),
+        credentials=client_credentials_from(args, api_key_flag=SERVICES_API_KEY_FLAG,
+                                            default_key=own_key.decode() if own_key else None),
     )
     logging.getLogger("dynamo_lite.epp").info(
         "endpoint picker: gRPC on %s:%d%s, HTTP on port %d, pool %s, slot tracker %s, indexer %s",
