@@ -18,8 +18,31 @@ engines gave it. Each worker slot owns one bit; a node keeps
   at branch points; `parent`: for pruning.
 * `run`: the `Run` this node is in, if a query made one (see "Runs" below).
 
-Each slot maps ITS OWN external hashes to nodes (`WorkerSlot.blocks`), which is how stores
+Each slot finds its blocks by ITS OWN external hashes (see "Names" below), which is how stores
 find their parent and removals find their block.
+
+Names: one entry per block, not per (block, slot)
+-------------------------------------------------
+A map entry costs ~42 B (the dict's entry and its share of the index table), as much as the
+rest of a chained block. Slots mostly name shared blocks alike (the engines hash alike), so a
+block has one entry wherever it is: in the slot's own map (`WorkerSlot.own`) while one slot
+has had it, and in the tree's shared map (`PrefixTree.names`) from the moment a second slot
+has it: that slot's store moves the name there, and every later holder adds nothing. A slot
+names a block through the shared map when it has the block (holders or dormant bit) and no
+override for it; its own map keeps what the shared map cannot say: blocks only it has had,
+its overrides, and names that another block (another slot's content under the same engine
+hash) took first in the shared map. Own entries win, so removals and conflicts stay exact per
+slot. `WorkerSlot.count` counts the slot's blocks: when it equals `len(own)` the slot names
+nothing through the shared map and every lookup is its own map's, as before. Measured with 8
+workers sharing half their blocks (1M pairs, 562k distinct): 42.0 -> 26.0 B of maps per pair;
+one worker: unchanged.
+
+The shared map is 64 dicts picked by the hash's low bits: a dict that grows to 1M entries
+stops everything for 27 ms when it resizes (58 ms at 1.4M), one of 16k-22k for well under
+1 ms. The price is a bytecode shard pick per lookup: a slot that shares blocks checks a new
+batch's names against the shared map one by one (+4.5 % on decode + apply of the shared fill,
+0 when nothing is shared); a batch that takes another slot's shared chain is checked with one
+slice comparison.
 
 Removing a block in the middle of a slot's chain
 ------------------------------------------------
@@ -45,20 +68,19 @@ Chains: a run of blocks in two arrays
 Engines store blocks in runs (a batch, a request's prompt), and most blocks of an index are
 in long stretches that nothing branches from and that the same workers hold. An unlimited tree
 (`chains`, the default without `max_blocks`) stores such a stretch as one `Chain`: the local
-hashes as a u64 array, the external hashes as a list of the int objects that every holder's
-map uses as keys, one holders mask, one dormant mask. A store past the end of the tree makes a
-chain (or, when the slot goes on with a chain only it holds, extends it in place: two extends
-and one dict update for the whole batch), and each slot's map sends every one of the chain's
-external hashes to the chain. Memory per block: 8 B of local hash, 8 B of list entry, the
-external hash's int object (shared by all holders) and a map entry per holder, against a 64 B
-node and two int objects before (`python -m bench.indexer_core`: 102 against 194 B per block,
-one worker).
+hashes as a list of the int objects that the name maps use as keys, one holders mask, one
+dormant mask. A store past the end of the tree makes a chain (or, when the slot goes on with a
+chain only it has had, extends it in place: two extends and one dict update for the whole
+batch), and the slot's own map sends every one of the chain's external hashes to the chain
+(the shared map, once a second slot takes it). Memory per block: 8 B of local hash, 8 B of
+list entry, the external hash's int object and one map entry, against a 64 B node and two int
+objects before (`python -m bench.indexer_core`: 102 against 194 B per block, one worker).
 
 Everything else sees a chain as one node: its blocks share holders and dormancy, so walks,
 `_promote` and `_demote` treat it whole, and a match compares the query with its hashes a slice
 at a time (like a run). What needs one block of it cuts it first: `_split` (a store that covers
 only its head, a store that diverges inside it) keeps the head in place and moves the tail to a
-new chain, re-pointing the tail's names in each holder's map; `_isolate` gives one block a
+new chain, re-pointing the tail's names where they are (the shared map, or each holder's own); `_isolate` gives one block a
 `Node` of its own (a removal, a parent in the middle of a chain, a slot that names a block
 differently, whose name goes into `overrides`). A tail-first removal cuts one block off the end:
 O(1). Chains are not put back together when a branch goes away.
@@ -114,6 +136,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 from itertools import repeat
 from operator import attrgetter
 from typing import Any, Union
@@ -161,9 +184,9 @@ class Chain(msgspec.Struct, gc=False, eq=False):
     diverges inside it) cuts it first (`PrefixTree._split`, `PrefixTree._isolate`)."""
 
     locals: array  # u64 ('Q'), one per block
-    # Every holder's external hash of each block, as int objects: each holder's map has them as
-    # keys, and a list lets all holders share one object per block (an array would make each
-    # map keep a copy: 40 B per (block, holder) more when workers share prefixes).
+    # Every holder's external hash of each block, as int objects: the name maps have them as
+    # keys, and a list lets the maps share one object per block (an array would make each map
+    # keep a copy).
     exts: list[int]
     parent: Any
     holders: int
@@ -171,6 +194,10 @@ class Chain(msgspec.Struct, gc=False, eq=False):
     run: None = None  # never in a run; here so that code reading `node.run` needs no check
     unsigned: list[int] | None = None  # `locals` as a list, made when a query first needs it
     signed: list[int] | None = None  # the same as i64
+    # Where the holders find the blocks by name (see "Names" in the module notes): OWN_NAMES in
+    # each holder's own map, SHARED_NAMES in the tree's shared map, COLLIDED_NAMES there too
+    # except the names another block took first, which stay in each holder's own map.
+    shared: int = 0
 
     @property
     def local(self) -> int:
@@ -200,6 +227,13 @@ class Chain(msgspec.Struct, gc=False, eq=False):
 
 # Queries make runs of at least this many nodes (shorter stretches are walked node by node).
 MIN_RUN = 8
+
+# `Chain.shared`
+OWN_NAMES, SHARED_NAMES, COLLIDED_NAMES = 0, 1, 2
+# The shared map is this many dicts, picked by an external hash's low bits: one dict of 1M
+# entries stops everything for 27 ms when it grows (58 ms at 1.4M), one of 16k-31k for ~1 ms.
+NAME_SHARDS = 64
+_SHARD = NAME_SHARDS - 1
 
 Stop = tuple[int, int, "Node"]  # (slots that stop here, depth, last node they hold)
 
@@ -349,14 +383,25 @@ EdgeEntry = Union[Edge, list[Edge]]  # a list only when slots disagree on the ch
 
 
 class WorkerSlot:
-    __slots__ = ("key", "bit", "blocks", "overrides", "lower")
+    __slots__ = ("key", "bit", "own", "count", "overrides", "lower", "tree")
 
-    def __init__(self, key: WorkerKey, bit: int) -> None:
+    def __init__(self, key: WorkerKey, bit: int, tree: PrefixTree) -> None:
         self.key = key
         self.bit = bit  # one set bit, this slot's place in every mask
-        self.blocks: dict[int, Node] = {}  # own external hash -> device node
+        # Own external hash -> device node or chain, for the blocks the slot does not find in the
+        # tree's shared map (see "Names" in the module notes): blocks only it has held, names
+        # of its own (`overrides`) and names another block took first in the shared map.
+        self.own: dict[int, Node | Chain] = {}
+        self.count = 0  # device blocks held (below a gap too): len(own) plus those named shared
         self.overrides: dict[Node, int] = {}  # node -> own external hash, where != node.ext
         self.lower: dict[StorageTier, dict[int, TransitionKey]] = {}
+        self.tree = tree
+
+    @property
+    def blocks(self) -> dict[int, Node | Chain]:
+        """Every device block of the slot by its own external hash (held below a gap too): a
+        copy made for the asking, O(blocks held)."""
+        return self.tree._names_of(self)
 
 
 class StoreStatus(Enum):
@@ -390,6 +435,9 @@ class PrefixTree:
         self.root = Node(0, 0, None, 0)  # never matched: matching starts at its children
         self.slots: dict[WorkerKey, WorkerSlot] = {}
         self.dormant: dict[Node | Chain, int] = {}
+        # External hash -> the block it names for every slot that has the block and names it
+        # so, once a second slot has had it (see "Names" in the module notes).
+        self.names: list[dict[int, Node | Chain]] = [{} for _ in range(NAME_SHARDS)]
         self.chains = not max_blocks if chains is None else chains
         self.lower: dict[StorageTier, dict[TransitionKey, EdgeEntry]] = {tier: {} for tier in LOWER_TIERS}
         self._by_bit: dict[int, WorkerSlot] = {}
@@ -444,21 +492,25 @@ class PrefixTree:
         if slot is None:
             return 0
         if tier == DEVICE:
-            return len(slot.blocks)
+            return slot.count
         return len(slot.lower.get(tier, ()))
 
     def held_hashes(self, worker: WorkerKey) -> list[int]:
         """The slot's own external hashes of every device block it holds (below a gap too)."""
         slot = self.slots.get(worker)
-        return [] if slot is None else list(slot.blocks)
+        return [] if slot is None else list(self._names_of(slot))
 
     def holds(self, worker: WorkerKey, block_hashes: Sequence[int]) -> tuple[int, int]:
         """How many leading `block_hashes` name device blocks the slot holds, and how many
-        of them all do (below a gap too). Two C-level passes."""
+        of them all do (below a gap too). Two C-level passes, and a lookup in the shared map
+        per hash not in the slot's own map once it shares blocks."""
         slot = self.slots.get(worker)
         if slot is None:
             return 0, 0
-        flags = list(map(slot.blocks.__contains__, block_hashes))
+        flags = list(map(slot.own.__contains__, block_hashes))
+        if slot.count != len(slot.own):
+            find = self._find_shared
+            flags = [flag or find(slot, ext) is not None for flag, ext in zip(flags, block_hashes)]
         held = sum(flags)
         return (len(flags) if held == len(flags) else flags.index(False)), held
 
@@ -469,21 +521,162 @@ class PrefixTree:
         counterpart = self.slots.get(other)
         if slot is None or counterpart is None:
             return []
-        blocks = slot.blocks
-        theirs = counterpart.blocks
+        find = self._find
         overrides = counterpart.overrides
         found = []
         for ext in block_hashes:
-            node = blocks.get(ext)
+            node = find(slot, ext)
             if node is None:
                 continue
             if node.__class__ is Chain:
                 own = ext  # a chain's holders all name its blocks alike
             else:
                 own = overrides.get(node, node.ext) if overrides else node.ext
-            if theirs.get(own) is node:
+            if find(counterpart, own) is node:
                 found.append(own)
         return found
+
+    # --- names --------------------------------------------------------------------------------
+
+    def _find(self, slot: WorkerSlot, ext: int) -> Node | Chain | None:
+        """The device block (node or chain) the slot names `ext`, if any."""
+        piece = slot.own.get(ext)
+        if piece is None:
+            return self._find_shared(slot, ext)
+        return piece
+
+    def _find_shared(self, slot: WorkerSlot, ext: int) -> Node | Chain | None:
+        """The block the slot names `ext` through the shared map, if any (not in its own map)."""
+        if slot.count == len(slot.own):
+            return None  # it names every block it has in its own map
+        piece = self.names[ext & _SHARD].get(ext)
+        if piece is None or not self._named_by(slot, piece):
+            return None
+        return piece
+
+    def _named_by(self, slot: WorkerSlot, piece: Node | Chain) -> bool:
+        """Whether the slot has `piece` (below a gap too) under its shared names."""
+        bit = slot.bit
+        if not piece.holders & bit and not (self.dormant and self.dormant.get(piece, 0) & bit):
+            return False
+        return not (slot.overrides and piece in slot.overrides)
+
+    def _uses_shared(self, slot: WorkerSlot, names: Sequence[int]) -> bool:
+        """Whether the slot names a block by any of `names` through the shared map."""
+        if slot.count == len(slot.own):
+            return False
+        shards = self.names
+        mask = _SHARD
+        size = len(names)
+        index = 0
+        while index < size:
+            ext = names[index]
+            index += 1
+            if ext not in shards[ext & mask]:
+                continue
+            piece = shards[ext & mask][ext]
+            if self._named_by(slot, piece):
+                return True
+            if piece.__class__ is Chain and piece.shared == SHARED_NAMES:
+                # Another slot's shared chain, which a store usually takes whole (a prompt's
+                # prefix): the shared map sends every name of it to it, so the names that go
+                # on as the chain does are not the slot's either. One slice comparison for them.
+                exts = piece.exts
+                start = exts.index(ext) + 1
+                count = min(size - index, len(exts) - start)
+                index += _first_difference(names[index : index + count], exts[start : start + count], count)
+        return False
+
+    def _pieces_of(self, slot: WorkerSlot) -> list[Any]:
+        """Every node and chain the slot has (below a gap too), each once."""
+        if slot.count == len(slot.own):
+            return list(dict.fromkeys(slot.own.values()))
+        # Masks are prefix-closed: the slot's held blocks are a subtree from the root.
+        bit = slot.bit
+        pieces: list[Any] = []
+        stack: list[Any] = [self.root]
+        while stack:
+            child = stack.pop().child
+            if child is None:
+                continue
+            for candidate in child.values() if child.__class__ is dict else (child,):
+                if candidate.holders & bit:
+                    pieces.append(candidate)
+                    stack.append(candidate)
+        if self.dormant:
+            pieces.extend(piece for piece, mask in self.dormant.items() if mask & bit)
+        return pieces
+
+    def _names_of(self, slot: WorkerSlot) -> dict[int, Node | Chain]:
+        """The slot's own external hash of each of its device blocks -> node or chain."""
+        if slot.count == len(slot.own):
+            return dict(slot.own)
+        overrides = slot.overrides
+        names: dict[int, Node | Chain] = {}
+        for piece in self._pieces_of(slot):
+            if piece.__class__ is Chain:
+                names.update(zip(piece.exts, repeat(piece)))
+            else:
+                names[overrides.get(piece, piece.ext) if overrides else piece.ext] = piece
+        return names
+
+    def _take_node(self, slot: WorkerSlot, node: Node, ext: int, others: int) -> None:
+        """The slot now has `node` (not before) under `ext`; `others`: the slots that had it."""
+        slot.count += 1
+        if node.ext != ext:
+            slot.overrides[node] = ext
+            slot.own[ext] = node
+            return
+        shard = self.names[ext & _SHARD]
+        if shard.get(ext) is node:
+            return
+        if others and shard.setdefault(ext, node) is node:
+            # The second slot to have the block: its name moves to the shared map.
+            by_bit = self._by_bit
+            while others:
+                low = others & -others
+                own = by_bit[low].own
+                if own.get(ext) is node:
+                    del own[ext]
+                others ^= low
+            return
+        slot.own[ext] = node
+
+    def _share_chain(self, chain: Chain, others: int) -> None:
+        """A second slot takes `chain`: its names move from the own maps of the slots that had
+        it (`others`) to the shared map, but for names another block has there already."""
+        shards = self.names
+        collided = False
+        for ext in chain.exts:
+            if shards[ext & _SHARD].setdefault(ext, chain) is not chain:
+                collided = True
+        by_bit = self._by_bit
+        while others:
+            low = others & -others
+            own = by_bit[low].own
+            if collided:
+                for ext in chain.exts:
+                    if shards[ext & _SHARD].get(ext) is chain:
+                        del own[ext]
+            else:
+                _consume(map(own.__delitem__, chain.exts))
+            others ^= low
+        chain.shared = COLLIDED_NAMES if collided else SHARED_NAMES
+
+    def _forget_names(self, piece: Node | Chain) -> None:
+        """`piece` leaves the tree: its names leave the shared map."""
+        shards = self.names
+        if piece.__class__ is Chain:
+            if piece.shared:
+                for ext in piece.exts:
+                    shard = shards[ext & _SHARD]
+                    if shard.get(ext) is piece:
+                        del shard[ext]
+            return
+        ext = piece.ext
+        shard = shards[ext & _SHARD]
+        if shard.get(ext) is piece:
+            del shard[ext]
 
     def _slot(self, worker: WorkerKey) -> WorkerSlot:
         slot = self.slots.get(worker)
@@ -493,7 +686,7 @@ class PrefixTree:
             else:
                 bit = self._next_bit
                 self._next_bit <<= 1
-            slot = WorkerSlot(worker, bit)
+            slot = WorkerSlot(worker, bit, self)
             self.slots[worker] = slot
             self._by_bit[bit] = slot
             self._canonical[bit] = bit
@@ -532,8 +725,8 @@ class PrefixTree:
     def _store_device(
         self, slot: WorkerSlot, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
     ) -> StoreStatus:
-        blocks = slot.blocks
-        held_before = len(blocks)
+        blocks = slot.own
+        held_before = slot.count
         bit = slot.bit
         dormant = self.dormant
         if parent_hash is None:
@@ -542,29 +735,33 @@ class PrefixTree:
         else:
             found = blocks.get(parent_hash)
             if found is None:
+                found = self._find_shared(slot, parent_hash)
+            if found is None:
                 return StoreStatus.UNKNOWN_PARENT
             if found.__class__ is Chain:
                 if (
                     found.child is None
                     and found.holders == bit
+                    and not found.shared
                     and found.exts[-1] == parent_hash
                     and not (dormant and found in dormant)
                     and blocks.keys().isdisjoint(block_hashes)
+                    and not self._uses_shared(slot, block_hashes)
                 ):
                     # The slot goes on with a chain of its own (the next batch of a prompt, a
                     # decode step): the common case is two array extends and one dict update.
                     _extend_chain(found, block_hashes, tokens_hashes)
                     blocks.update(zip(block_hashes, repeat(found)))
-                    self.device_blocks += len(blocks) - held_before
+                    slot.count += len(block_hashes)
+                    self.device_blocks += len(block_hashes)
                     return StoreStatus.STORED
                 found = self._isolate(found, found.exts.index(parent_hash))
             start = found
             active = bool(start.holders & bit)
-        if not blocks.keys().isdisjoint(block_hashes) and not _consistent(
-            blocks, start, block_hashes, tokens_hashes
+        if (not blocks.keys().isdisjoint(block_hashes) or self._uses_shared(slot, block_hashes)) and not _consistent(
+            partial(self._find, slot), start, block_hashes, tokens_hashes
         ):
             return StoreStatus.HASH_CONFLICT
-        overrides = slot.overrides
         node = start
         count = len(block_hashes)
         index = 0
@@ -581,6 +778,7 @@ class PrefixTree:
                         if (
                             node.__class__ is Chain
                             and node.holders == bit
+                            and not node.shared
                             and not (dormant and node in dormant)
                         ):
                             _extend_chain(node, exts, tokens_hashes[index:])
@@ -592,10 +790,12 @@ class PrefixTree:
                                 bit,
                             )
                         blocks.update(zip(exts, repeat(node)))
+                        slot.count += len(exts)
                         break
                     child = node.child = blocks[ext] = Node(local, ext, node, bit)
                     for ext, local in zip(block_hashes[index + 1 :], tokens_hashes[index + 1 :]):
                         child.child = child = blocks[ext] = Node(local, ext, child, bit)
+                    slot.count += count - index
                     node = child
                     break
                 child = node.child = Node(local, ext, node, 0)
@@ -632,7 +832,8 @@ class PrefixTree:
             holders = node.holders
             if holders & bit:
                 continue
-            if dormant and dormant.get(node, 0) & bit:
+            below = dormant.get(node, 0) if dormant else 0
+            if below & bit:
                 continue
             if active:
                 if node.run is not None:
@@ -641,11 +842,9 @@ class PrefixTree:
                 if dormant and node.child is not None:
                     self._promote(node, bit)
             else:
-                dormant[node] = dormant.get(node, 0) | bit
-            blocks[ext] = node
-            if node.ext != ext:
-                overrides[node] = ext
-        self.device_blocks += len(blocks) - held_before
+                dormant[node] = below | bit
+            self._take_node(slot, node, ext, holders | below)
+        self.device_blocks += slot.count - held_before
         recent = self._recent
         if recent is not None:
             while node is not start:
@@ -665,21 +864,33 @@ class PrefixTree:
         if holders & bit:
             return
         dormant = self.dormant
-        if dormant and dormant.get(chain, 0) & bit:
+        below = dormant.get(chain, 0) if dormant else 0
+        if below & bit:
             return
         if active:
             chain.holders = bit if not holders else holders | bit
             if dormant and chain.child is not None:
                 self._promote(chain, bit)
         else:
-            dormant[chain] = dormant.get(chain, 0) | bit
-        slot.blocks.update(zip(chain.exts, repeat(chain)))
+            dormant[chain] = below | bit
+        slot.count += len(chain)
+        if not chain.shared and (holders | below):
+            self._share_chain(chain, holders | below)
+        mode = chain.shared
+        if mode == OWN_NAMES:
+            slot.own.update(zip(chain.exts, repeat(chain)))
+        elif mode == COLLIDED_NAMES:
+            own = slot.own
+            shards = self.names
+            for ext in chain.exts:
+                if shards[ext & _SHARD].get(ext) is not chain:
+                    own[ext] = chain
 
     def _split(self, chain: Chain, size: int) -> Chain:
         """Cut `chain` after its first `size` blocks (0 < size < len): it keeps them, and the
         rest becomes a new chain below it, returned. Costs a dict update per block moved and
         holder, so cutting near the end is cheap (tail-first removals)."""
-        tail = Chain(chain.locals[size:], chain.exts[size:], chain, chain.holders, chain.child)
+        tail = Chain(chain.locals[size:], chain.exts[size:], chain, chain.holders, chain.child, shared=chain.shared)
         _adopt(tail, chain.child)
         del chain.locals[size:]
         del chain.exts[size:]
@@ -729,23 +940,42 @@ class PrefixTree:
             if below_gap:
                 self.dormant[piece] = below_gap
                 mask |= below_gap
-        self._repoint(piece, mask)
+        self._repoint(chain, piece, mask)
 
-    def _repoint(self, piece: Node | Chain, mask: int) -> None:
-        """Make the slots of `mask` find `piece`'s blocks in their maps (they name them alike)."""
+    def _repoint(self, chain: Chain, piece: Node | Chain, mask: int) -> None:
+        """Make the slots of `mask` find `piece`'s blocks, which were `chain`'s, where they
+        found them in `chain` (they name them alike: chains have no overrides)."""
         by_bit = self._by_bit
+        shards = self.names
+        mode = chain.shared
         if piece.__class__ is Chain:
             names = piece.exts
+            if mode != OWN_NAMES:
+                for ext in names:
+                    shard = shards[ext & _SHARD]
+                    if mode == SHARED_NAMES or shard.get(ext) is chain:
+                        shard[ext] = piece
+                if mode == SHARED_NAMES:
+                    return
             while mask:
                 low = mask & -mask
-                by_bit[low].blocks.update(zip(names, repeat(piece)))
+                own = by_bit[low].own
+                if mode == OWN_NAMES:
+                    own.update(zip(names, repeat(piece)))
+                else:
+                    for ext in names:
+                        if own.get(ext) is chain:
+                            own[ext] = piece
                 mask ^= low
+            return
+        ext = piece.ext
+        shard = shards[ext & _SHARD]
+        if mode != OWN_NAMES and shard.get(ext) is chain:
+            shard[ext] = piece
             return
         while mask:
             low = mask & -mask
-            slot = by_bit[low]
-            overrides = slot.overrides
-            slot.blocks[overrides.get(piece, piece.ext) if overrides else piece.ext] = piece
+            by_bit[low].own[ext] = piece
             mask ^= low
 
     def _store_lower(
@@ -838,7 +1068,7 @@ class PrefixTree:
         return self._remove_lower(slot, tier, block_hashes)
 
     def _remove_device(self, slot: WorkerSlot, block_hashes: Sequence[int]) -> int:
-        blocks = slot.blocks
+        blocks = slot.own
         overrides = slot.overrides
         dormant = self.dormant
         canonical = self._canonical
@@ -847,9 +1077,13 @@ class PrefixTree:
         unknown = 0
         for ext in block_hashes:
             node = blocks.get(ext)
-            if node is None:
-                unknown += 1
-                continue
+            private = node is not None
+            if not private:
+                node = self._find_shared(slot, ext)
+                if node is None:
+                    unknown += 1
+                    continue
+            slot.count -= 1
             if node.__class__ is Chain:
                 if (
                     node.holders == bit
@@ -863,10 +1097,14 @@ class PrefixTree:
                     node.locals.pop()
                     node.exts.pop()
                     node.forget_forms()
-                    del blocks[ext]
+                    if private:
+                        del blocks[ext]
+                    else:
+                        del self.names[ext & _SHARD][ext]
                     continue
                 node = self._isolate(node, node.exts.index(ext))
-            del blocks[ext]
+            if private:
+                del blocks[ext]
             if overrides:
                 overrides.pop(node, None)
             holders = node.holders
@@ -925,6 +1163,7 @@ class PrefixTree:
                 if len(siblings) == 1:
                     (parent.child,) = siblings.values()
             node.parent = None
+            self._forget_names(node)
             if parent is root or parent.holders or parent.child is not None or parent in dormant:
                 return
             node = parent
@@ -954,9 +1193,10 @@ class PrefixTree:
         bit = slot.bit
         canonical = self._canonical
         dormant = self.dormant
-        nodes = list(dict.fromkeys(slot.blocks.values()))  # a chain stands for several blocks
-        self.device_blocks -= len(slot.blocks)
-        slot.blocks = {}
+        nodes = self._pieces_of(slot)
+        self.device_blocks -= slot.count
+        slot.own = {}
+        slot.count = 0
         slot.overrides = {}
         recent = self._recent
         for node in nodes:
@@ -1198,11 +1438,18 @@ class PrefixTree:
                 recent.pop(member, None)
                 member.child = None
                 member.parent = None
+                self._forget_names(member)
             while mask:
                 low = mask & -mask
                 slot = by_bit[low]
                 overrides = slot.overrides
-                del slot.blocks[overrides.pop(member, member.ext) if overrides else member.ext]
+                name = overrides.pop(member, None) if overrides else None
+                own = slot.own
+                if name is not None:
+                    del own[name]
+                elif own.get(member.ext) is member:
+                    del own[member.ext]
+                slot.count -= 1
                 dropped += 1
                 mask ^= low
             member.holders = 0
@@ -1367,9 +1614,10 @@ def _stop_ext(node: Any, overrides: dict[Node, int]) -> int:
 
 
 def _consistent(
-    blocks: dict[int, Any], start: Node, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
+    find: Callable[[int], Any], start: Node, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
 ) -> bool:
-    """Whether every hash the slot already uses names the very block the store walks to."""
+    """Whether every hash the slot already uses (`find`: the block it names so, or None)
+    names the very block the store walks to."""
     piece: Any = start
     index = 0  # the block of `piece` the walk is at
     for ext, local in zip(block_hashes, tokens_hashes):
@@ -1389,7 +1637,7 @@ def _consistent(
                     piece = child if child.locals[0] == local else None
                 else:
                     piece = child.get(local)
-        known = blocks.get(ext)
+        known = find(ext)
         if known is not None and (
             known is not piece or (piece.__class__ is Chain and piece.exts[index] != ext)
         ):
