@@ -493,7 +493,7 @@ def _profiles_section(add: Callable[[str], None], data: dict[str, Any]) -> None:
 def write(path: Path, data: dict[str, Any]) -> None:
     """Render to `path`, keeping the text a person wrote under "Why targets are not met", and the
     gateway section (written from `python -m bench.gateway`, which `python -m bench` does not
-    run) verbatim at the end."""
+    run) with every hand-written section after it, verbatim at the end."""
     text = render(data)
     if path.exists():
         old = path.read_text()
@@ -507,12 +507,11 @@ def write(path: Path, data: dict[str, Any]) -> None:
 
 
 def _gateway_section(text: str) -> str:
-    """From the gateway heading to the next second-level heading (or the end)."""
+    """From the gateway heading to the end: the rendered report never writes past it."""
     start = text.find(GATEWAY_HEADING)
     if start < 0 or (start > 0 and text[start - 1] != "\n"):
         return ""
-    end = text.find("\n## ", start + len(GATEWAY_HEADING))
-    return text[start:] if end < 0 else text[start:end + 1]
+    return text[start:]
 
 
 def _why_section(text: str) -> str:

@@ -147,13 +147,14 @@ def test_rewriting_keeps_the_written_explanation(tmp_path) -> None:
     assert "uvicorn costs 70 us per request." in path.read_text()
 
 
-def test_rewriting_keeps_the_gateway_section_at_the_end(tmp_path) -> None:
+def test_rewriting_keeps_the_gateway_section_and_the_hand_written_ones_after_it_at_the_end(tmp_path) -> None:
     path = tmp_path / "RESULTS.md"
     report.write(path, _data())
     written = path.read_text().replace("_To be completed from the profiles above and the analysis in "
                                        "[ANALYSIS.md](ANALYSIS.md)._", "uvicorn costs 70 us per request.")
     gateway = ("## Gateway: Envoy + endpoint picker\n\n`python -m bench.gateway`: 60 req/s per picker core.\n\n"
-               "| policy | hit ratio |\n|---|---|\n| picker | 6.00% |\n")
+               "| policy | hit ratio |\n|---|---|\n| picker | 6.00% |\n\n"
+               "## Issue 29: one replication design?\n\nMeasured by hand: keep both.\n")
     path.write_text(written.rstrip("\n") + "\n\n" + gateway)
     for _ in range(2):  # and stays as it is on every later rewrite
         report.write(path, _data())
