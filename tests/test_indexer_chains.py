@@ -124,3 +124,27 @@ def test_a_second_slot_storing_the_same_prompt_shares_the_chain() -> None:
     tree.store((2, 0), None, names[:64], locals_[:64])
     assert _pieces(tree) == (0, 2)  # the shared half, then the first slot's own
     assert tree.match(locals_).device == {(1, 0): 128, (2, 0): 64}
+
+
+@settings(max_examples=20, deadline=None)
+@given(rng=st.randoms(use_true_random=False))
+def test_a_chain_extended_past_a_thousand_blocks_answers_as_a_node_per_block(rng: random.Random) -> None:
+    """An engine extends one chain batch after batch (queries in between): a query compares only
+    a prompt's head of it (`Chain.form`), in either form, whole or diverging, as the nodes do."""
+    worker = WORKERS[0]
+    prompt = tuple(rng.getrandbits(64) for _ in range(1_400))
+    trees = [PrefixTree(chains=True), PrefixTree(chains=False)]
+    stored = 0
+    while stored < len(prompt):
+        end = min(len(prompt), stored + 64 * rng.randint(1, 4))
+        parent = external(worker, prompt[:stored], 0) if stored else None
+        names = [external(worker, prompt[: j + 1], 0) for j in range(stored, end)]
+        assert len({tree.store(worker, parent, names, list(prompt[stored:end])) for tree in trees}) == 1
+        stored = end
+        for _ in range(3):
+            query = list(prompt[: rng.randint(1, len(prompt))])
+            if rng.random() < 0.3 and len(query) > 1:
+                query[rng.randrange(1, len(query))] ^= 1  # diverges there
+            if rng.random() < 0.4:
+                query = [h - 2**64 if h >= 2**63 and rng.random() < 0.7 else h for h in query]  # i64, or mixed
+            assert trees[0].match(query) == trees[1].match(query)
