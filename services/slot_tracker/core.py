@@ -55,7 +55,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, filterfalse
+from itertools import filterfalse
 from operator import attrgetter
 from typing import Any
 
@@ -319,12 +319,14 @@ class SlotTracker:
         # tuple compare per group, and no hash of its own: see `_runs`.
         position = _runs(holders, hashes, groups)
         walked = len(groups)
+        # How many leading hashes are groups' members in the groups' order.
+        covered = position
         new: set[int] = set()
         if position == len(hashes):
             block_count = position
             if walked:
                 # The groups' int objects: the decoder made new ones, 48 bytes each per request.
-                hashes = groups[0].members if walked == 1 else tuple(chain.from_iterable(map(_MEMBERS, groups)))
+                hashes = _joined(groups)
         else:
             tail = hashes[position:] if walked else hashes
             # A hash repeated inside one request is held once by it: refcounts count requests.
@@ -341,12 +343,13 @@ class SlotTracker:
                 if followed:
                     # As for the head, where the tail follows held groups in their order but
                     # not as whole groups (its last one split off).
-                    head = tuple(chain.from_iterable(map(_MEMBERS, groups[walked:])))
+                    head = _joined(groups[walked:])
                     if head == tail[:followed]:
                         tail = head + tail[followed:]
+                        covered += followed
                 if rest:
                     _cover(holders, rest, groups)
-            hashes = tuple(chain(chain.from_iterable(map(_MEMBERS, groups[:walked])), tail)) if walked else tail
+            hashes = _joined(groups[:walked]) + tail if walked else tail
         if groups:
             index = slot.index
             for group in groups:
@@ -361,8 +364,8 @@ class SlotTracker:
         if new:
             # A request sharing nothing has distinct hashes, all new: its tuple is the group's.
             # So is a tail of distinct new hashes after held groups, in request order, so that
-            # the next request with the same prompt follows it (`_runs`).
-            members = hashes[position:] if len(new) == len(hashes) - position else tuple(new)
+            # the next request with the same prompt is whole groups (`_runs`).
+            members = hashes[covered:] if len(new) == len(hashes) - covered else tuple(new)
             group = Group(members, {slot.index: 1}, slot.bit)
             # A plain loop: `holders.update(dict.fromkeys(new, group))` fills a second dict first.
             for block_hash in members:
@@ -452,6 +455,15 @@ class SlotTracker:
     ) -> list[PotentialLoad]:
         """Each rank's load if the request were added there: exactly what `/loads` would report
         for that rank after the `/add` (a query hash the rank does not hold adds one block)."""
+        return [PotentialLoad(**row)
+                for row in self.potential_load_rows(model_name, tenant_id, sequence_hashes, new_isl_tokens)]
+
+    def potential_load_rows(
+        self, model_name: str, tenant_id: str, sequence_hashes: list[int], new_isl_tokens: int = 0
+    ) -> list[dict[str, int]]:
+        """`potential_loads` as the JSON objects of `/potential_loads`' answer, fields in the
+        same order: a dict literal per rank costs a third of a dataclass's `__init__` (16 ranks:
+        1.1 against 3.6 us, a quarter of the core's time for a 512-hash query)."""
         partition = self._partition(model_name, tenant_id)
         holders = partition.holders
         # Whole held groups in their order first, as in `add`: a dict lookup and a compare each
@@ -472,13 +484,13 @@ class SlotTracker:
                 query_length -= _drop_repeats(holders, found, groups, position)
         held = _held_counts(partition, found, groups)
         return [
-            PotentialLoad(
-                slot.worker_id,
-                slot.dp_rank,
-                slot.prefill_tokens + new_isl_tokens,
-                slot.blocks + slot.output_blocks + query_length - held[slot.index],
-                slot.request_count,
-            )
+            {
+                "worker_id": slot.worker_id,
+                "dp_rank": slot.dp_rank,
+                "potential_prefill_tokens": slot.prefill_tokens + new_isl_tokens,
+                "potential_decode_blocks": slot.blocks + slot.output_blocks + query_length - held[slot.index],
+                "active_requests": slot.request_count,
+            }
             for slot in partition.ranks
         ]
 
@@ -646,6 +658,15 @@ def _runs(holders: dict[int, Group], hashes: tuple[int, ...], groups: list[Group
         groups.append(group)
         position += size
     return position
+
+
+def _joined(groups: list[Group]) -> tuple[int, ...]:
+    """The groups' members one after the other. Tuples added in turn: `tuple(chain(...))` grows
+    its result item by item (1.9 against 0.3 us for two 128-hash groups)."""
+    joined = groups[0].members
+    for group in groups[1:]:
+        joined += group.members
+    return joined
 
 
 def _drop_repeats(holders: dict[int, Group], found: set[int], head: list[Group], length: int) -> int:
@@ -827,6 +848,5 @@ def _held_counts(partition: Partition, held: set[int], whole: list[Group]) -> li
 
 
 _SIZE = attrgetter("size")
-_MEMBERS = attrgetter("members")
 _MASK = attrgetter("mask")
 _REFS = attrgetter("refs")
