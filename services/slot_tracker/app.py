@@ -47,7 +47,8 @@ DEFAULT_RECOVERY_DEADLINE_SECS = 10.0
 # 0.1-0.25 s, pausing the event loop 13-21 ms at most; see `snapshot`).
 DEFAULT_SNAPSHOT_INTERVAL_SECS = 5.0
 
-OK = {"status": "ok"}
+# Encoded once: every write route answers it, and `http.encode` passes it through as it is.
+OK = http.Encoded(b'{"status":"ok"}')
 _FILTERS = frozenset({"model_name", "tenant_id", "routing_group"})
 _LOADS_CACHE_SIZE = 64
 
@@ -116,7 +117,11 @@ class PotentialLoadsRequest(RequestBody, kw_only=True):
 
 
 def _tenant(request: Any) -> str:
-    return tenant_of(request.tenant_id, request.routing_group)
+    routing_group = request.routing_group
+    if routing_group is UNSET:  # the alias not sent, as in most bodies: nothing to reconcile
+        tenant_id = request.tenant_id
+        return "default" if tenant_id is UNSET else tenant_id
+    return tenant_of(request.tenant_id, routing_group)
 
 
 class SlotTrackerRoutes:
@@ -172,8 +177,8 @@ class SlotTrackerRoutes:
         return 200, answer
 
     def potential_loads(self, request: PotentialLoadsRequest) -> HandlerResult:
-        return 200, self.tracker.potential_loads(request.model_name, _tenant(request), request.sequence_hashes,
-                                                 request.new_isl_tokens)
+        return 200, self.tracker.potential_load_rows(request.model_name, _tenant(request), request.sequence_hashes,
+                                                     request.new_isl_tokens)
 
     def dump(self, params: QueryParams) -> HandlerResult:
         """The whole state, as a snapshot holds it: what a replica started with --peers loads."""
