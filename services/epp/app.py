@@ -56,6 +56,7 @@ class EppConfig:
     grpc_port: int = DEFAULT_GRPC_PORT
     cert: str | None = None
     key: str | None = None
+    client_ca: str | None = None  # callers of the gRPC port present a certificate this CA signed
     picker: PickerSettings = field(default_factory=PickerSettings)
     pool_poll_secs: float = 1.0
     shutdown_grace_secs: float = 30.0
@@ -137,7 +138,7 @@ def create_app(config: EppConfig) -> http.Service:
         loop.add_signal_handler(signal.SIGHUP, watcher.reload)
         watch = loop.create_task(watcher.run(), name="pool-watcher")
         server = EppServer(picker, host=config.grpc_host, port=config.grpc_port, cert=config.cert, key=config.key,
-                           ready=lambda: watcher.ready)
+                           client_ca=config.client_ca, ready=lambda: watcher.ready)
         try:
             await server.start()
         except Exception as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -39,6 +40,32 @@ def cluster(config: dict[str, Any], name: str) -> dict[str, Any]:
     return next(c for c in config["static_resources"]["clusters"] if c["name"] == name)
 
 
+@dataclass(frozen=True)
+class PickerTls:
+    """How Envoy's `ext_proc` cluster reaches a picker started with `--cert` (and `--client-ca`):
+    it checks the picker's certificate against `ca` for the name `server_name`, and presents
+    `cert`/`key` when the picker asks for a client certificate. Paths as Envoy will see them."""
+
+    ca: str
+    server_name: str
+    cert: str | None = None
+    key: str | None = None
+
+    def transport_socket(self) -> dict[str, Any]:
+        context: dict[str, Any] = {
+            "alpn_protocols": ["h2"],  # gRPC is HTTP/2; gRPC servers refuse an ALPN list without it
+            "validation_context": {"trusted_ca": {"filename": self.ca},
+                                   "match_typed_subject_alt_names": [
+                                       {"san_type": "DNS", "matcher": {"exact": self.server_name}}]},
+        }
+        if self.cert is not None and self.key is not None:
+            context["tls_certificates"] = [{"certificate_chain": {"filename": self.cert},
+                                            "private_key": {"filename": self.key}}]
+        return {"name": "envoy.transport_sockets.tls", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": self.server_name, "common_tls_context": context}}
+
+
 def configure(
     base: dict[str, Any],
     *,
@@ -50,8 +77,10 @@ def configure(
     failure_mode_allow: bool | None = None,
     engines: Sequence[str] | None = None,
     health_check_interval: str | None = None,
+    picker_tls: PickerTls | None = None,
 ) -> dict[str, Any]:
-    """A copy of `base` with these ports, picker address, fail mode and engines ("ip:port")."""
+    """A copy of `base` with these ports, picker address, fail mode and engines ("ip:port"), and
+    TLS to the picker when `picker_tls` is given."""
     config = copy.deepcopy(base)
     config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
     config["static_resources"]["listeners"][0]["address"]["socket_address"] = {
@@ -64,6 +93,8 @@ def configure(
     if health_check_interval is not None:
         for check in picker.get("health_checks", []):
             check["interval"] = check["no_traffic_interval"] = health_check_interval
+    if picker_tls is not None:
+        picker["transport_socket"] = picker_tls.transport_socket()
     if engines is not None:
         cluster(config, "engines")["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
             {"endpoint": {"address": {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}}}
@@ -125,5 +156,5 @@ def split_response_side(config: dict[str, Any], deferred_close_timeout: str | No
     return config
 
 
-__all__ = ["EXT_PROC", "REQUEST_SIDE_ONLY", "cluster", "configure", "http_filter", "http_filters", "observer_filter",
-           "shipped_config", "split_response_side"]
+__all__ = ["EXT_PROC", "REQUEST_SIDE_ONLY", "PickerTls", "cluster", "configure", "http_filter", "http_filters",
+           "observer_filter", "shipped_config", "split_response_side"]

@@ -37,6 +37,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from .grpc_tls import CertificateFiles
 from .health import HealthService
 from .protocol import (
     DESTINATION_HEADER,
@@ -479,13 +480,26 @@ class EppServer:
         port: int = 9002,
         cert: str | bytes | None = None,
         key: str | bytes | None = None,
+        client_ca: str | bytes | None = None,
         ready: Callable[[], bool] = lambda: True,
     ):
         self.processor = ExternalProcessor(picker)
         self.health = HealthService(ready)
         self.host, self.port = host, port
-        self._cert, self._key = cert, key
+        self._cert, self._key, self._client_ca = cert, key, client_ca
         self.server: grpc.aio.Server | None = None
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        cert, key, client_ca = self._cert, self._key, self._client_ca
+        if cert is None or key is None:
+            if client_ca is not None:
+                raise ValueError("a client CA needs a server certificate and key (TLS)")
+            return None
+        if isinstance(cert, str) and isinstance(key, str) and not isinstance(client_ca, bytes):
+            return CertificateFiles(cert, key, client_ca).credentials()  # files: reloaded when they change
+        return grpc.ssl_server_credentials(
+            [(_read(key), _read(cert))], root_certificates=None if client_ca is None else _read(client_ca),
+            require_client_auth=client_ca is not None)
 
     async def start(self) -> EppServer:
         server = grpc.aio.server(
@@ -499,8 +513,8 @@ class EppServer:
         self.health.add_to_server(server)
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         address = f"{host}:{self.port}"
-        if self._cert is not None and self._key is not None:
-            credentials = grpc.ssl_server_credentials([(_read(self._key), _read(self._cert))])
+        credentials = self._credentials()
+        if credentials is not None:
             self.port = server.add_secure_port(address, credentials)
         else:
             self.port = server.add_insecure_port(address)
@@ -534,13 +548,16 @@ async def serve(
     port: int = 9002,
     cert: str | bytes | None = None,
     key: str | bytes | None = None,
+    client_ca: str | bytes | None = None,
     ready: Callable[[], bool] = lambda: True,
 ) -> EppServer:
     """Start the endpoint picker's gRPC server (ext_proc + health); `port=0` picks a free one.
 
-    `cert`/`key` (PEM paths or bytes) turn TLS on. Stop it with `await server.stop(grace)`.
+    `cert`/`key` (PEM paths or bytes) turn TLS on; given as paths, the files are read again when
+    they change. `client_ca` (PEM) makes callers present a certificate it signed (mutual TLS).
+    Stop it with `await server.stop(grace)`.
     """
-    return await EppServer(picker, host=host, port=port, cert=cert, key=key, ready=ready).start()
+    return await EppServer(picker, host=host, port=port, cert=cert, key=key, client_ca=client_ca, ready=ready).start()
 
 
 __all__ = ["MAX_CHUNK", "EppServer", "ExternalProcessor", "immediate_response", "serve"]

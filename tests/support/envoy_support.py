@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import yaml
 
-from dynamo_lite.epp.envoy_config import configure
+from dynamo_lite.epp.envoy_config import PickerTls, configure
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_CONFIG = ROOT / "deploy" / "envoy" / "envoy.yaml"
@@ -99,6 +99,7 @@ def envoy_config(
     base: dict[str, Any] | None = None,
     config_file: Path = DEPLOY_CONFIG,
     engines: list[str] | None = None,
+    picker_tls: PickerTls | None = None,
 ) -> dict[str, Any]:
     """`config_file` (deploy/envoy/envoy.yaml by default) with these ports and settings (a dict,
     for yaml.safe_dump); `engines` ("ip:port" each) replace the `engines` cluster's hosts of
@@ -107,7 +108,8 @@ def envoy_config(
     # The ports, picker address, fail mode and engines as `python -m dynamo_lite.stack` sets them.
     config = configure(source, listen_host="127.0.0.1", listen_port=listen_port, admin_port=admin_port,
                        picker_host=picker_host, picker_port=picker_port, failure_mode_allow=failure_mode_allow,
-                       engines=engines, health_check_interval=health_check_interval)
+                       engines=engines, health_check_interval=health_check_interval,
+                       picker_tls=picker_tls)
     ext_proc = _filter(config, "envoy.filters.http.ext_proc")["typed_config"]
     if ext_proc_overrides:
         ext_proc.update(copy.deepcopy(ext_proc_overrides))
