@@ -478,12 +478,21 @@ def test_a_nats_server_back_without_its_store_is_rebuilt_and_replicas_go_on(tmp_
         workload = Workload(rng, engines)
         feed(fleet_, single, workload, engines, [], rng, 80, GROW)
         assert_same_index(replicas, single, workload, rng, "before the NATS store is lost")
+        written = [metric(replica, "dynamo_lite_indexer_replica_snapshots_written_total") for replica in replicas]
         fleet_.nats.restart(wipe=True)
+        # A quiet fleet: nothing is written after the loss. The survivors notice it and put what
+        # they hold into the object store at once, so a replica started now gets the history
+        # (before, the first snapshot waited for the first new message).
+        wait_until(lambda: [metric(replica, "dynamo_lite_indexer_replica_snapshots_written_total")
+                            for replica in replicas],
+                   lambda now: sum(now) > sum(written), "a survivor snapshotted the history the stream lost")
+        early = fleet_.start("D")
+        assert_same_index([*replicas, early], single, workload, rng, "a replica started on a quiet fleet after the loss")
+        replicas.append(early)
         feed(fleet_, single, workload, engines, [], rng, 60, SHRINK)
         assert_same_index(replicas, single, workload, rng, "after the NATS store was lost")
-        # What the replicas held before the loss is in no stream any more, only in the snapshot
-        # they write of the new one (its sequence was reset to 0 with the loss): a replica started
-        # before that snapshot exists cannot know the history (docs/replicas.md says so).
+        # What the replicas held before the loss is in no stream any more, only in the snapshots
+        # they write of the new one (its sequence was reset to 0 with the loss).
         wait_until(lambda: max(metric(replica, "dynamo_lite_indexer_replica_snapshot_sequence") for replica in replicas),
                    lambda sequence: sequence > 0, "a snapshot of the new stream written")
         late = fleet_.start("C")  # from the snapshot the survivors write of what they hold

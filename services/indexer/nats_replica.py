@@ -456,11 +456,28 @@ class StreamReplica:
                 self._stream_id = incarnation
                 self.applied_sequence = max(0, state.first_seq - 1)
                 self.snapshot_sequence = 0
+                await self._keep_history()
             logger.warning("consumer %s is gone from the server: creating it again from seq %d", self.name,
                            self.applied_sequence + 1)
             await self._subscribe()
         except Exception as exc:  # noqa: BLE001 - retried at the next failure
             logger.warning("recreating the stream or the consumer: %s: %s", type(exc).__name__, exc)
+
+    async def _keep_history(self) -> None:
+        """Right after the stream started over: put what this replica holds into the object store
+        at once, as of the new stream's start, unless a replica did so already. Replicas started
+        from then on load the history the stream lost; the periodic check would wait for the first
+        new message, which on a quiet fleet may never come."""
+        assert self._store is not None
+        try:
+            stored = _parse_description((await self._store.get_info(SNAPSHOT_OBJECT)).description)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
+            stored = None
+        if stored is not None and stored.stream == self._stream_id:
+            return  # another survivor was first
+        snapshot = replication.collect(self.indexer, self.applied_sequence)
+        if snapshot.ranks or snapshot.partitions:
+            await self.write_snapshot(snapshot)
 
     # --- readiness and snapshots --------------------------------------------------------------
 
@@ -498,11 +515,13 @@ class StreamReplica:
         return snapshot_due(_parse_description(info.description), self._stream_id, self.applied_sequence,
                             self.settings, time.time())
 
-    async def write_snapshot(self) -> int:
-        """Put the index as of now into the object store; returns the sequence it covers."""
+    async def write_snapshot(self, snapshot: replication.Snapshot | None = None) -> int:
+        """Put the index as of now (or `snapshot`, collected now) into the object store; returns
+        the sequence it covers."""
         assert self._store is not None
         started = time.perf_counter()
-        snapshot = replication.collect(self.indexer, self.applied_sequence)
+        if snapshot is None:
+            snapshot = replication.collect(self.indexer, self.applied_sequence)
         data = await asyncio.to_thread(lambda: b"".join(replication.encode_snapshot(snapshot)))
         await self._store.put(SNAPSHOT_OBJECT, data, meta=ObjectMeta(
             name=SNAPSHOT_OBJECT,
