@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
                          f"http://{LOOPBACK}:9901/ready", "LIVE"))
     refusal = taken_ports([child for child, _, _ in children])
     if refusal is not None:
+        if args.workdir is None:  # nothing ran: the folder holds only the generated configs
+            shutil.rmtree(workdir, ignore_errors=True)
         sys.exit(f"{invoked_as(PROG)}: {refusal}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     stopping = False

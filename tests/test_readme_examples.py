@@ -225,3 +225,10 @@ def test_the_readme_set_up_on_a_taken_port_says_so_in_one_line_and_starts_nothin
         assert "8091 (slot_tracker)" in done.stderr and "already in use" in done.stderr and done.stdout == "", done
         assert indexer_was_up or not listening(8090)
         assert list(tmp_path.glob("*.log")) == []
+        # Without --workdir the stack makes its own folder; a refused start leaves none behind.
+        scratch = tmp_path / "tmp"
+        scratch.mkdir()
+        done = subprocess.run([sys.executable, "-m", "dynamo_lite.stack", "--services-only"], capture_output=True,
+                              text=True, timeout=60, env=dict(os.environ, TMPDIR=str(scratch)))
+        assert done.returncode == 1 and "already in use" in done.stderr, done
+        assert list(scratch.iterdir()) == []
