@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
+from nats.errors import FlushTimeoutError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -145,6 +146,36 @@ async def connect(url: str, *, name: str, security: NatsSecurity = NatsSecurity(
         raise ConnectionError(f"cannot reach the NATS server at {url} within {START_TIMEOUT_SECS:g}s") from None
     logger.info("connected to NATS at %s as %s", client.connected_url.netloc if client.connected_url else url, name)
     return client, counts
+
+
+# How long a PING of `flush` may wait for its PONG inside nats-py (see `flush`): as long as the
+# connection lives. A reconnection drops the PINGs in flight, and this bounds a PING lost then.
+PONG_PATIENCE_SECS = 3600
+
+
+async def flush(client: Client, timeout: float) -> None:
+    """`client.flush(timeout)`, without stopping the client's reads when it times out.
+
+    nats-py (2.16) cancels the PING's future when its flush times out but leaves it queued; the
+    late PONG then raises InvalidStateError in its read loop, which ends the loop for good: the
+    connection still looks up, and nothing arrives on it until a stale-connection check, minutes
+    later, reconnects. A process paused longer than a flush's timeout (SIGSTOP, CPU throttling)
+    hits this as soon as it resumes: asyncio fires the timeout before it reads the PONG. Here
+    nats-py waits for its PONG as long as the connection lives, shielded from our timeout; only
+    this call gives up, with nats-py's own FlushTimeoutError."""
+    pinging = asyncio.ensure_future(client.flush(timeout=PONG_PATIENCE_SECS))
+    pinging.add_done_callback(_retrieve)
+    try:
+        await asyncio.wait_for(asyncio.shield(pinging), timeout)
+    except asyncio.TimeoutError:
+        raise FlushTimeoutError from None
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Nobody may be waiting for a flush that outlived its caller: read its outcome so asyncio
+    does not log it as never retrieved (a closed connection's, or a lost PING's timeout)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class NatsCollector(Collector):

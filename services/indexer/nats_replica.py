@@ -56,7 +56,7 @@ from nats.js.api import (
 from nats.js.object_store import ObjectStore
 
 from dynamo_lite.errors import PayloadTooLarge, ServiceError, Unavailable
-from dynamo_lite.nats_connection import ConnectionCounts, NatsSecurity, connect
+from dynamo_lite.nats_connection import ConnectionCounts, NatsSecurity, connect, flush
 from dynamo_lite.snapshots import SnapshotError
 
 from . import replication
@@ -183,7 +183,7 @@ class StreamReplica:
                 # Not drain(): the consumer is stopped, and what this replica published was
                 # acknowledged before it answered; a pull request left on the server would keep
                 # a drain waiting for its timeout.
-                await self.client.flush(timeout=2)
+                await flush(self.client, 2.0)
             except Exception as exc:  # noqa: BLE001 - NATS may be away: closing must still finish
                 logger.debug("flushing the NATS connection: %s", exc)
             await self.client.close()

@@ -57,7 +57,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from dynamo_lite.errors import PayloadTooLarge
-from dynamo_lite.nats_connection import ConnectionCounts, NatsSecurity, connect
+from dynamo_lite.nats_connection import ConnectionCounts, NatsSecurity, connect, flush
 
 from .protocols import SlotTrackerDump
 from .replication import (
@@ -85,6 +85,7 @@ HEARTBEAT_SECS: Final = 1.0
 REPLAY_TIMEOUT_SECS: Final = 2.0  # for each message of a replay
 STATE_FIRST_CHUNK_SECS: Final = 5.0  # the responder encodes the state first (0.2-0.5 s for 53 MB)
 STATE_CHUNK_TIMEOUT_SECS: Final = 10.0  # for each later chunk
+FIRST_FLUSH_TIMEOUT_SECS: Final = 10.0  # the subscription reaching the server before the join asks anything (nats-py's default)
 STATE_DEADLINE_SECS: Final = 60.0  # a replica answered `discover`: its state must arrive by then
 LOG_BYTES: Final = 64 * 1024 * 1024  # this replica's published batches kept for replays
 FLUSH_EVERY_BYTES: Final = 8 * 1024 * 1024  # a state is sent in steps of this, each acknowledged
@@ -167,7 +168,7 @@ class NatsReplication:
         self.max_payload = self.client.max_payload
         # One subscription for ops and requests: they are handled in the order the server sent them.
         await self.client.subscribe(f"{self.settings.subject_prefix}.>", cb=self._on_message, pending_bytes_limit=0)
-        await self.client.flush()
+        await flush(self.client, FIRST_FLUSH_TIMEOUT_SECS)
         started = time.perf_counter()
         loaded = await self._join()
         if loaded is None:
@@ -304,8 +305,7 @@ class NatsReplication:
         try:
             if client.is_connected:
                 await asyncio.sleep(0)  # nats-py writes its PING at once: let its flusher send the batch first
-                # nats-py annotates `timeout` as int; it hands it to asyncio as seconds, fractions included.
-                await client.flush(timeout=self.settings.publish_timeout_secs)  # type: ignore[arg-type]
+                await flush(client, self.settings.publish_timeout_secs)
             else:
                 self.counts.unconfirmed += 1
         except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError):
@@ -396,7 +396,7 @@ class NatsReplication:
             total += len(chunk) - CHUNK_HEAD.size
             if unflushed >= FLUSH_EVERY_BYTES:
                 unflushed = 0
-                await self.client.flush(timeout=STATE_CHUNK_TIMEOUT_SECS)  # type: ignore[arg-type]  # as above
+                await flush(self.client, STATE_CHUNK_TIMEOUT_SECS)
         self.counts.states_sent += 1
         logger.info("sent the state to a joining replica: %s, %d bytes in %d chunks, %.2fs",
                     describe(dump), total, len(chunks), time.perf_counter() - started)
