@@ -8,12 +8,27 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from nats.errors import FlushTimeoutError
 from support.nats_support import NatsServer
 
 from dynamo_lite.nats_connection import connect, flush
+
+
+async def _until_stopped(pid: int) -> None:
+    """SIGSTOP takes effect as each of the process's threads next enters the kernel: a thread
+    running on the other CPU could still answer a PING sent right after `kill` returns."""
+    for _ in range(200):
+        if all(_state(task) == "T" for task in Path(f"/proc/{pid}/task").iterdir()):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("nats-server did not stop within 2 s")
+
+
+def _state(task: Path) -> str:
+    return (task / "stat").read_text().rpartition(")")[2].split()[0]
 
 
 def test_a_flush_that_times_out_leaves_the_connection_reading(nats_server: NatsServer) -> None:
@@ -33,6 +48,7 @@ def test_a_flush_that_times_out_leaves_the_connection_reading(nats_server: NatsS
             await flush(listener, 5.0)
             os.kill(pid, signal.SIGSTOP)  # the PONG of the next flush comes late
             try:
+                await _until_stopped(pid)
                 with pytest.raises(FlushTimeoutError):
                     await flush(listener, 0.3)
             finally:
