@@ -6,6 +6,7 @@ stay open, and `--ssl-certfile` serves it over https."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from support.envoy_support import envoy_binary
@@ -23,6 +25,7 @@ from support.reference_server import ServerURL, free_port, running_server
 from support.tls_support import Authority, Pair, peer_common_name
 
 from dynamo_lite.client import IndexerClient, SlotTrackerClient
+from dynamo_lite.epp import health
 from dynamo_lite.epp.envoy_config import PickerTls
 
 KEY, READ_KEY, SERVICES_KEY = "picker-key", "picker-read-key", "services-key"
@@ -114,11 +117,6 @@ def test_services_api_key_is_sent_instead_of_the_pickers_own(tmp_path: Path, aut
 
 def _grpc_health(port: int, authority: Authority, client: Pair | None) -> int:
     """gRPC liveness over TLS, presenting `client` (or no certificate)."""
-    import asyncio
-
-    import grpc
-
-    from dynamo_lite.epp import health
 
     async def check() -> int:
         credentials = grpc.ssl_channel_credentials(
@@ -136,10 +134,6 @@ def test_envoy_reaches_the_picker_over_mutual_tls_and_nobody_else_does(authority
     """`--client-ca`: a real Envoy presenting a certificate the CA signed routes through the
     picker (fail-closed, so a refused handshake would fail the request), a caller without one is
     refused at the handshake, and a replaced server certificate is served without a restart."""
-    from grpc import RpcError
-
-    from dynamo_lite.epp import health
-
     server = authority.issue("epp-grpc-server")
     envoy_cert = authority.issue("epp-test-envoy", client=True, server=False)
     flags = ["--cert", str(server.certfile), "--key", str(server.keyfile), "--client-ca", str(authority.certfile)]
@@ -154,12 +148,12 @@ def test_envoy_reaches_the_picker_over_mutual_tls_and_nobody_else_does(authority
         stack.wait_idle()
 
         assert _grpc_health(stack.picker_port, authority, envoy_cert) == health.SERVING
-        with pytest.raises(RpcError) as refused:
+        with pytest.raises(grpc.RpcError) as refused:
             _grpc_health(stack.picker_port, authority, None)
         assert refused.value.code().name == "UNAVAILABLE"
         stranger = Authority.create(authority.directory / "stranger", name="stranger-ca").issue(
             "stranger", client=True, server=False)
-        with pytest.raises(RpcError):
+        with pytest.raises(grpc.RpcError):
             _grpc_health(stack.picker_port, authority, stranger)
 
         # Rotation: new files in place; the next handshake gets the new certificate.

@@ -44,7 +44,9 @@ class CertificateFiles:
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's per-handshake callback (on one of its threads): a new configuration, or None to
-        keep the current one. Never raises: a broken file must not take the port down."""
+        keep the current one. Never raises: a broken file must not take the port down. Two
+        handshakes at once may both load a changed file; each assignment is whole, so the worst
+        is one extra read."""
         try:
             stamps = self._stamps()
         except OSError:

@@ -444,6 +444,7 @@ class StreamReplica:
             pass
         except Exception:  # noqa: BLE001 - still disconnected: the fetch loop retries
             return
+        history_lost = False
         try:
             incarnation = await self._ensure_stream()
             self._store = await self._ensure_bucket()
@@ -456,12 +457,19 @@ class StreamReplica:
                 self._stream_id = incarnation
                 self.applied_sequence = max(0, state.first_seq - 1)
                 self.snapshot_sequence = 0
-                await self._keep_history()
+                history_lost = True
             logger.warning("consumer %s is gone from the server: creating it again from seq %d", self.name,
                            self.applied_sequence + 1)
             await self._subscribe()
         except Exception as exc:  # noqa: BLE001 - retried at the next failure
             logger.warning("recreating the stream or the consumer: %s: %s", type(exc).__name__, exc)
+            return
+        if history_lost:
+            try:
+                await self._keep_history()
+            except Exception as exc:  # noqa: BLE001 - consuming goes on; the periodic check writes one later
+                logger.warning("snapshot of the history the stream lost not written: %s: %s (the periodic check "
+                               "writes one after the first new message)", type(exc).__name__, exc)
 
     async def _keep_history(self) -> None:
         """Right after the stream started over: put what this replica holds into the object store
