@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dynamo_lite.cli import HelpFormatter
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceStatusError, TransportError
-from dynamo_lite.routing import KvRouter, NoWorkerAvailable, RequestHandle, RouterConfig
+from dynamo_lite.routing import KvRouter, NoWorkerAvailable, RequestHandle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar import EngineSidecar  # noqa: E402  (the example beside this one)
@@ -42,7 +42,7 @@ async def route(router: KvRouter, model: str, request_id: str, tokens: list[int]
     decision = await router.select(model, isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained)
     chosen = decision.chosen
     print(f"{request_id}: {len(tokens)} tokens -> worker {decision.worker_id} "
-          f"(cached {chosen.cached_tokens} tokens, cost {chosen.cost:.2f}; "
+          f"(cached {chosen.cached_tokens} tokens, cost {1000 * chosen.cost:.2f} ms; "
           f"lookup {decision.lookup_secs * 1000:.1f} ms)")
     return await router.commit(decision, request_id)  # the gateway forwards the request now
 
@@ -59,8 +59,7 @@ async def run(slot_tracker_url: str, indexer_url: str, model: str, first_worker_
                     registered.append((service, worker_id))
             engines = {worker_id: EngineSidecar(indexer, model, worker_id, block_size=BLOCK_SIZE)
                        for worker_id in fleet}
-            router = KvRouter(slot_tracker, indexer, block_size=BLOCK_SIZE,
-                              config=RouterConfig(overlap_score_weight=1.0, router_temperature=0.0), seed=0)
+            router = KvRouter(slot_tracker, indexer, block_size=BLOCK_SIZE, seed=0)  # the default cost
             conversations: dict[str, list[int]] = {name: [] for name in ("a", "b", "c")}
             placed: dict[str, set[int]] = {name: set() for name in conversations}
             for turn in range(3):

@@ -4,7 +4,7 @@ import asyncio
 import os
 
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError
-from dynamo_lite.routing import KvRouter, RouterConfig
+from dynamo_lite.routing import KvRouter
 
 
 async def main() -> None:
@@ -19,14 +19,15 @@ async def main() -> None:
                     await service.register(worker_id, "quickstart", block_size=16)
                     registered.append((service, worker_id))
 
-            router = KvRouter(slot_tracker, indexer, block_size=16,
-                              config=RouterConfig(overlap_score_weight=1.0, router_temperature=0.0), seed=0)
+            # The default cost: each rank's predicted time to first token, plus what the request's
+            # cache writes will cost later requests (docs/routing.md); RouterConfig() is Dynamo's.
+            router = KvRouter(slot_tracker, indexer, block_size=16, seed=0)
             token_ids = list(range(1, 101))  # the prompt, tokenized: 6 full blocks of 16
             local, chained = router.hashes_for(token_ids)
             decision = await router.select("quickstart", isl_tokens=len(token_ids),
                                            local_hashes=local, sequence_hashes=chained)
             for cost in decision.costs:
-                print(cost.formula(decision.config.overlap_score_weight))  # the cost breakdown per rank
+                print(cost.formula())  # the cost breakdown per rank, in seconds
             print(f"chosen: worker {decision.worker_id}, rank {decision.dp_rank}")
 
             handle = await router.commit(decision, request_id="req-1")  # POST /add

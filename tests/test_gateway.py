@@ -285,8 +285,13 @@ def test_the_http_side_is_what_openapi_epp_yaml_says(gateway: GatewayStack) -> N
 
     document = yaml.safe_load((Path(__file__).resolve().parents[1] / "openapi" / "epp.yaml").read_text())
     assert gateway.picker is not None
-    served = {"/health", "/ready", "/metrics", "/pool", "/busy_threshold"}
+    served = {"/health", "/ready", "/metrics", "/pool", "/scheduler", "/busy_threshold"}
     assert set(document["paths"]) == served
+    state = httpx.get(gateway.picker + "/scheduler").json()
+    state_schema = document["paths"]["/scheduler"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert set(state) == set(state_schema["properties"])
+    assert set(state["config"]) == set(state_schema["properties"]["config"]["properties"])
+    assert set(state["ranks"][0]) == set(state_schema["properties"]["ranks"]["items"]["properties"])
     pool = httpx.get(gateway.picker + "/pool").json()
     assert pool["ready"] is True and len(pool["endpoints"]) == 3
     endpoint_schema = document["components"]["schemas"]["PoolEndpoint"]

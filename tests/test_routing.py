@@ -1,4 +1,5 @@
-"""The selector's cost and sampling, as pure functions, then wired to the in-process services."""
+"""Dynamo's cost through the scheduling cycle (`RouterConfig`, the `dynamo` cost), then
+`KvRouter` wired to the in-process services."""
 
 from __future__ import annotations
 
@@ -9,67 +10,74 @@ from collections import Counter
 import httpx
 import pytest
 
-from dynamo_lite.client import ConnectError, PotentialLoad, ServiceStatusError
-from dynamo_lite.routing import NoWorkerAvailable, RankCost, RouterConfig, choose, score_ranks
+from dynamo_lite.client import ConnectError, ServiceStatusError
+from dynamo_lite.routing import NoWorkerAvailable, RouterConfig
+from dynamo_lite.scheduling import AllBusy, RankCost, RankLoad, Scheduler, SchedulingRequest, Selection
+from dynamo_lite.scheduling.parts import pick_softmax
 
 BLOCK = 16
 
 
-def loads(*rows: tuple[int, int, int, int]) -> list[PotentialLoad]:
+def schedule(rows: list[tuple[int, int, int, int]], cached: dict[tuple[int, int], int], isl: int,
+             config: RouterConfig = RouterConfig(), seed: int = 0) -> Selection:
     """(worker, rank, active prefill tokens, potential decode blocks) rows, as /potential_loads
-    answers them for new_isl_tokens=0."""
-    return [PotentialLoad(w, r, prefill, decode, 0) for w, r, prefill, decode in rows]
+    answers them for new_isl_tokens=0, scored with Dynamo's cost."""
+    loads = [RankLoad(w, r, cached.get((w, r), 0), prefill, decode, 0) for w, r, prefill, decode in rows]
+    return Scheduler(config.scheduler_config(), seed=seed).schedule(SchedulingRequest(isl, BLOCK), loads)
 
 
 def test_cost_is_weighted_prefill_blocks_plus_decode_blocks() -> None:
-    costs = score_ranks(
-        loads((1, 0, 32, 10), (2, 0, 0, 5), (3, 0, 0, 9)),
-        {(1, 0): 64, (2, 0): 16},
-        isl_tokens=160,
-        block_size=BLOCK,
-        config=RouterConfig(overlap_score_weight=2.0),
-    )
-    by_worker = {c.worker_id: c for c in costs}
+    selection = schedule([(1, 0, 32, 10), (2, 0, 0, 5), (3, 0, 0, 9)], {(1, 0): 64, (2, 0): 16}, isl=160,
+                         config=RouterConfig(overlap_score_weight=2.0))
+    by_worker = {c.worker_id: c for c in selection.costs}
     assert by_worker[1].prefill_tokens == 32 + 160 - 64
     assert by_worker[1].cost == pytest.approx(2.0 * 128 / 16 + 10)
     assert by_worker[2].cost == pytest.approx(2.0 * 144 / 16 + 5)
     assert by_worker[3].cached_tokens == 0 and by_worker[3].cost == pytest.approx(2.0 * 10 + 9)
-    assert choose(costs, 0.0, random.Random(0)).worker_id == 2
+    assert selection.chosen.worker_id == 2
+    assert [c.worker_id for c in selection.ordered] == [2, 1, 3]  # the fallbacks, cheapest first
+    assert by_worker[2].formula() == ("worker 2 rank 0: 23 = prefill_blocks 18 + decode_blocks 5 "
+                                      "(cached tokens: 16)")
 
 
-def test_indexer_only_ranks_are_not_candidates_and_cache_is_capped_at_the_prompt() -> None:
-    costs = score_ranks(loads((1, 0, 0, 0)), {(1, 0): 10_000, (9, 0): 64}, 32, BLOCK, RouterConfig())
-    assert [(c.worker_id, c.cached_tokens, c.prefill_tokens) for c in costs] == [(1, 32, 0)]
+def test_cached_tokens_are_capped_at_the_prompt() -> None:
+    selection = schedule([(1, 0, 0, 0)], {(1, 0): 10_000}, 32)
+    assert [(c.worker_id, c.cached_tokens, c.prefill_tokens) for c in selection.costs] == [(1, 32, 0)]
 
 
 def test_zero_temperature_breaks_ties_with_the_seeded_generator() -> None:
-    costs = score_ranks(loads((1, 0, 0, 3), (2, 0, 0, 3), (3, 0, 0, 4)), {}, 16, BLOCK, RouterConfig())
-    picks = [choose(costs, 0.0, random.Random(seed)).worker_id for seed in range(40)]
+    rows = [(1, 0, 0, 3), (2, 0, 0, 3), (3, 0, 0, 4)]
+    picks = [schedule(rows, {}, 16, seed=seed).chosen.worker_id for seed in range(40)]
     assert set(picks) == {1, 2}
-    assert picks == [choose(costs, 0.0, random.Random(seed)).worker_id for seed in range(40)]
+    assert picks == [schedule(rows, {}, 16, seed=seed).chosen.worker_id for seed in range(40)]
+
+
+def cost(worker: int, value: float) -> RankCost:
+    return RankCost(worker, 0, 0, 0, 0, 0, 0, (("prefill_blocks", value),), value)
 
 
 def test_temperature_samples_a_softmax_over_normalised_costs() -> None:
-    costs = [RankCost(w, 0, 0, 0, 0.0, 0, cost, False) for w, cost in [(1, 0.0), (2, 3.0), (3, 9.0)]]
+    costs = [cost(w, c) for w, c in [(1, 0.0), (2, 3.0), (3, 9.0)]]
     rng = random.Random(42)
-    counts = Counter(choose(costs, 1.0, rng).worker_id for _ in range(30_000))
+    counts = Counter(pick_softmax(costs, 1.0, rng).worker_id for _ in range(30_000))
     # Costs 0, 3, 9 normalise to 0, 1/3, 1: probabilities proportional to exp(-normalised / T).
     expected = [math.exp(-c / 9.0) for c in (0.0, 3.0, 9.0)]
     for worker, weight in zip((1, 2, 3), expected):
         assert counts[worker] / 30_000 == pytest.approx(weight / sum(expected), abs=0.02)
-    equal = [RankCost(w, 0, 0, 0, 0.0, 0, 5.0, False) for w in (1, 2)]
-    assert {choose(equal, 0.5, random.Random(s)).worker_id for s in range(20)} == {1, 2}
+    equal = [cost(w, 5.0) for w in (1, 2)]
+    assert {pick_softmax(equal, 0.5, random.Random(s)).worker_id for s in range(20)} == {1, 2}
 
 
 def test_busy_thresholds_exclude_ranks_and_all_busy_raises() -> None:
     config = RouterConfig(active_decode_blocks_threshold=10, active_prefill_tokens_threshold=100)
-    costs = score_ranks(loads((1, 0, 0, 11), (2, 0, 101, 0), (3, 0, 100, 10)), {}, 16, BLOCK, config)
-    assert [c.worker_id for c in costs if c.busy] == [1, 2]
-    assert choose(costs, 0.0, random.Random(0)).worker_id == 3
-    with pytest.raises(NoWorkerAvailable, match="all 2 registered ranks are over a busy threshold"):
-        choose([c for c in costs if c.busy], 0.0, random.Random(0))
+    selection = schedule([(1, 0, 0, 11), (2, 0, 101, 0), (3, 0, 100, 10)], {}, 16, config)
+    assert [c.worker_id for c in selection.costs if c.busy] == [1, 2]
+    assert selection.chosen.worker_id == 3
+    with pytest.raises(AllBusy, match="all 2 candidate ranks are busy") as failure:
+        schedule([(1, 0, 0, 11), (2, 0, 101, 0)], {}, 16, config)
+    assert [c.filtered for c in failure.value.costs] == ["busy", "busy"]
     with pytest.raises(NoWorkerAvailable, match="none is registered"):
-        choose([], 0.0, random.Random(0))
+        schedule([], {}, 16)
 
 
 def test_select_for_a_model_nobody_registered_raises_no_worker_available() -> None:
@@ -152,7 +160,7 @@ def test_router_prefers_the_worker_holding_the_prefix_and_books_it() -> None:
         slot_app, indexer_app = create_slot_tracker(), create_indexer()
         async with AsyncSlotTrackerClient(client=in_process(slot_app)) as slots, \
                 AsyncIndexerClient(client=in_process(indexer_app)) as indexer:
-            router = KvRouter(slots, indexer, block_size=BLOCK, seed=1)
+            router = KvRouter(slots, indexer, block_size=BLOCK, config=RouterConfig(), seed=1)
             tokens = list(range(BLOCK * 8))
             local, chained = router.hashes_for(tokens)
             for worker in (1, 2, 3):
@@ -180,7 +188,7 @@ def test_router_prefers_the_worker_holding_the_prefix_and_books_it() -> None:
             await handle.output_blocks(4)  # after free: a no-op, not a 404
             overridden = await router.select("m", isl_tokens=len(tokens), local_hashes=local,
                                              sequence_hashes=chained, overlap_score_weight=0.0)
-            assert overridden.config.overlap_score_weight == 0.0
+            assert overridden.request.overlap_score_weight == 0.0
             assert all(c.cost == c.decode_blocks for c in overridden.costs)
 
     asyncio.run(scenario())

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from dynamo_lite.cli import (
     add_client_arguments,
@@ -20,10 +22,10 @@ from dynamo_lite.cli import (
     serve,
     service_parser,
 )
-from dynamo_lite.routing import RouterConfig
+from dynamo_lite.scheduling import COSTS, SchedulerConfig, SchedulerConfigError, load_config, preset
 
-from .app import DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EppConfig, create_app
-from .picker import DEFAULT_FALLBACKS, DEFAULT_PRIORITY_HEADER, PickerSettings
+from .app import DEFAULT_ENGINE_METRICS_SECS, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EppConfig, create_app
+from .picker import DEFAULT_FALLBACKS, DEFAULT_PRIORITY_HEADER, DEFAULT_SESSION_HEADER, PickerSettings
 from .queue import QueuePolicy
 
 SERVICES_API_KEY_FLAG = "--services-api-key"
@@ -60,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = ("address both the gRPC and the HTTP side bind (the gRPC side takes no key: a trusted "
                            "network, or mutual TLS with --cert, --key and --client-ca)")
     parser.add_argument("--metrics-port", type=_port, default=DEFAULT_METRICS_PORT,
-                        help="HTTP port of /metrics, /health, /ready, /pool and POST /busy_threshold (with "
-                        "--api-key: /pool and /metrics need a key, /busy_threshold a full one)")
+                        help="HTTP port of /metrics, /health, /ready, /pool, /scheduler and POST /busy_threshold (with "
+                        "--api-key: /pool, /scheduler and /metrics need a key, /busy_threshold a full one)")
     parser.add_argument("--cert", default=None, help="PEM certificate: serve gRPC over TLS (with --key)")
     parser.add_argument("--key", default=None, help="PEM private key of --cert")
     parser.add_argument("--client-ca", default=None,
@@ -81,18 +83,34 @@ def build_parser() -> argparse.ArgumentParser:
                           help="tokenize with vLLM's render endpoints at this base URL instead of locally")
     services.add_argument("--pool-poll-secs", type=positive_float, default=1.0,
                           help="how often the pool file is checked for changes (and unregistered endpoints retried)")
-    routing = parser.add_argument_group("routing (Dynamo's KV router cost and busy thresholds)")
+    routing = parser.add_argument_group(
+        "routing (the scheduling cycle: docs/routing.md; a flag given here overrides --scheduler-config)")
+    routing.add_argument("--cost", choices=COSTS, default=None,
+                         help="ttft (default): the least predicted time to first token plus what the request's cache "
+                         "writes cost later requests; dynamo: Dynamo's overlap_weight * prefill_blocks + decode_blocks")
+    routing.add_argument("--scheduler-config", type=Path, default=None, metavar="FILE",
+                         help="YAML file naming the scorers and their weights, the temperature, busy thresholds, "
+                         "sessions and the engines' timing (docs/routing.md); --cost picks a preset instead")
     routing.add_argument("--overlap-score-weight", "--router-kv-overlap-score-weight", dest="overlap_score_weight",
-                         type=non_negative_float, default=1.0,
-                         help="cost = weight * prefill_blocks + decode_blocks; 0 ignores the cache")
-    routing.add_argument("--router-temperature", type=non_negative_float, default=0.0,
-                         help="0: the cheapest rank; higher: softmax sampling over normalised costs")
+                         type=non_negative_float, default=None,
+                         help="with --cost dynamo: cost = weight * prefill_blocks + decode_blocks (default 1; 0 "
+                         "ignores the cache)")
+    routing.add_argument("--router-temperature", type=non_negative_float, default=None,
+                         help="0 (default): the cheapest rank; higher: softmax sampling over normalised costs")
     routing.add_argument("--active-decode-blocks-threshold", type=non_negative_int, default=None,
                          help="a rank whose decode blocks with this request would exceed this is busy")
     routing.add_argument("--active-prefill-tokens-threshold", type=non_negative_int, default=None,
                          help="a rank with more active prefill tokens than this is busy")
     routing.add_argument("--active-prefill-tokens-threshold-frac", type=non_negative_float, default=None,
                          help="... or more than this fraction of its max_num_batched_tokens")
+    routing.add_argument("--session-header", default=DEFAULT_SESSION_HEADER,
+                         help="request header naming the conversation: its requests stay where its cache is while "
+                         "that is not too costly ('' turns sessions off)")
+    routing.add_argument("--session-affinity-ttl-secs", type=non_negative_float, default=None,
+                         help="how long a session stays pinned after its last request (default 300)")
+    routing.add_argument("--engine-metrics-secs", type=non_negative_float, default=DEFAULT_ENGINE_METRICS_SECS,
+                         help="how often each engine's /metrics is read (KV capacity, inter-token latency) for the "
+                         "scheduler; 0: never")
     routing.add_argument("--fallbacks", type=non_negative_int, default=DEFAULT_FALLBACKS,
                          help="next best endpoints handed to Envoy after the pick")
     routing.add_argument("--seed", type=int, default=None, help="seed of tie-breaking and sampling")
@@ -120,6 +138,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """The scheduling cycle from --scheduler-config or --cost, then the flags given on top."""
+    if args.scheduler_config is not None and args.cost is not None:
+        raise SchedulerConfigError("--cost and --scheduler-config go one or the other (the file may say `cost:`)")
+    config = load_config(args.scheduler_config) if args.scheduler_config is not None else preset(args.cost or "ttft")
+    changes: dict[str, Any] = {}
+    if args.overlap_score_weight is not None:
+        if "prefill_blocks" not in config.weights:
+            raise SchedulerConfigError(
+                f"--overlap-score-weight is a weight of Dynamo's cost (--cost dynamo); the {config.cost!r} cost in "
+                "force has no prefill_blocks scorer (docs/routing.md)")
+        changes["scorers"] = tuple((name, args.overlap_score_weight if name == "prefill_blocks" else weight)
+                                   for name, weight in config.scorers)
+    if args.router_temperature is not None:
+        changes["temperature"] = args.router_temperature
+    thresholds = {name: getattr(args, name) for name in ("active_decode_blocks_threshold",
+                  "active_prefill_tokens_threshold", "active_prefill_tokens_threshold_frac")
+                  if getattr(args, name) is not None}
+    if thresholds:
+        changes["busy"] = replace(config.busy, **thresholds)
+    if args.session_affinity_ttl_secs is not None:
+        changes["session_ttl_secs"] = args.session_affinity_ttl_secs
+    return replace(config, **changes) if changes else config
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
@@ -132,33 +175,29 @@ def main(argv: list[str] | None = None) -> None:
     check_security_arguments(parser, args)
     configure_logging(args.log_level, args.log_format)
     try:
-        router = RouterConfig(
-            overlap_score_weight=args.overlap_score_weight, router_temperature=args.router_temperature,
-            active_decode_blocks_threshold=args.active_decode_blocks_threshold,
-            active_prefill_tokens_threshold=args.active_prefill_tokens_threshold,
-            active_prefill_tokens_threshold_frac=args.active_prefill_tokens_threshold_frac,
-        )
-    except ValueError as exc:
+        scheduler = scheduler_config(args)
+    except SchedulerConfigError as exc:
         parser.error(str(exc))
     settings = PickerSettings(
-        router=router, queue_threshold=args.router_queue_threshold,
+        scheduler=scheduler, queue_threshold=args.router_queue_threshold,
         queue_policy=QueuePolicy(args.router_queue_policy), queue_max_wait_secs=args.queue_max_wait_secs,
-        queue_max_size=args.queue_max_size, priority_header=args.priority_header.lower(), fallbacks=args.fallbacks,
-        seed=args.seed,
+        queue_max_size=args.queue_max_size, priority_header=args.priority_header.lower(),
+        session_header=args.session_header.lower() or None, fallbacks=args.fallbacks, seed=args.seed,
     )
     own_key = args.api_keys.write_keys[0] if args.api_keys is not None else None
     config = EppConfig(
         pool_file=args.pool, slot_tracker_url=args.slot_tracker, indexer_url=args.indexer, tokenizer=args.tokenizer,
         render_url=args.render_url, grpc_host=args.host, grpc_port=args.port, cert=args.cert, key=args.key,
-        client_ca=args.client_ca,
+        client_ca=args.client_ca, engine_metrics_secs=args.engine_metrics_secs,
         picker=settings, pool_poll_secs=args.pool_poll_secs, shutdown_grace_secs=args.shutdown_grace_secs,
         credentials=client_credentials_from(args, api_key_flag=SERVICES_API_KEY_FLAG,
                                             default_key=own_key.decode() if own_key else None),
     )
-    logging.getLogger("dynamo_lite.epp").info(
-        "endpoint picker: gRPC on %s:%d%s, HTTP on port %d, pool %s, slot tracker %s, indexer %s",
-        args.host, args.port, (" (mutual TLS)" if args.client_ca else " (TLS)") if args.cert else "",
-        args.metrics_port, args.pool, args.slot_tracker, args.indexer)
+    log = logging.getLogger("dynamo_lite.epp")
+    log.info("endpoint picker: gRPC on %s:%d%s, HTTP on port %d, pool %s, slot tracker %s, indexer %s",
+             args.host, args.port, (" (mutual TLS)" if args.client_ca else " (TLS)") if args.cert else "",
+             args.metrics_port, args.pool, args.slot_tracker, args.indexer)
+    log.info("routing: %s", scheduler.describe())
     args.port = args.metrics_port  # what `serve` binds: the HTTP side
     serve(create_app(config), args)
 

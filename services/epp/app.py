@@ -1,5 +1,5 @@
 """The endpoint picker process: the gRPC ext_proc server Envoy asks, and an HTTP side for
-operations (`/health`, `/ready`, `/metrics`, `/busy_threshold`, `/pool`).
+operations (`/health`, `/ready`, `/metrics`, `/busy_threshold`, `/pool`, `/scheduler`).
 
 Both run on one event loop. The HTTP app's lifespan starts everything: the two service clients,
 the pool watcher (which registers the pool with both services and re-reads the file on change
@@ -30,6 +30,7 @@ from dynamo_lite.http import Answer
 from dynamo_lite.tokenizer import Tokenizer
 from dynamo_lite.validation import decode_json
 
+from .engine_metrics import EngineMetricsReader
 from .grpc_server import EppServer
 from .metrics import EppMetrics
 from .picker import KvPicker, PickerSettings
@@ -41,6 +42,7 @@ logger = logging.getLogger("dynamo_lite.epp")
 DEFAULT_GRPC_PORT = 9002
 DEFAULT_METRICS_PORT = 9003
 SERVICE_TIMEOUT_SECS = 2.0
+DEFAULT_ENGINE_METRICS_SECS = 10.0
 THRESHOLDS = ("active_decode_blocks_threshold", "active_prefill_tokens_threshold",
               "active_prefill_tokens_threshold_frac")
 
@@ -60,6 +62,7 @@ class EppConfig:
     picker: PickerSettings = field(default_factory=PickerSettings)
     pool_poll_secs: float = 1.0
     shutdown_grace_secs: float = 30.0
+    engine_metrics_secs: float = DEFAULT_ENGINE_METRICS_SECS  # 0: the engines' /metrics are not read
     # The key and TLS settings the picker presents to both services.
     credentials: ClientCredentials = field(default_factory=ClientCredentials.from_env)
 
@@ -93,8 +96,8 @@ class BusyThresholdEndpoint(http.DirectEndpoint):
             picker.set_thresholds(**{name: (value if value is None or name.endswith("frac") else int(value))
                                      for name, value in changes.items()})
             logger.info("busy thresholds changed: %s", changes)
-        config = picker.router_config
-        return 200, orjson.dumps({name: getattr(config, name) for name in THRESHOLDS}), b"application/json"
+        busy = picker.busy_thresholds
+        return 200, orjson.dumps({name: getattr(busy, name) for name in THRESHOLDS}), b"application/json"
 
 
 class PoolEndpointList(http.DirectEndpoint):
@@ -109,6 +112,21 @@ class PoolEndpointList(http.DirectEndpoint):
             return 503, http.error_body("starting"), b"application/json"
         endpoints = [asdict(endpoint) for endpoint in watcher.pool]
         return 200, orjson.dumps({"ready": watcher.ready, "endpoints": endpoints}), b"application/json"
+
+
+class SchedulerState(http.DirectEndpoint):
+    """`GET /scheduler`: the scheduling cycle in force and what it has learned per rank (the
+    engines' rates fitted to the times to first token, their KV capacity, the share of the recent
+    cache writes each took), for an operator asking why a request went where it went."""
+
+    def __init__(self, holder: dict[str, Any]) -> None:
+        self.holder = holder
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        picker: KvPicker | None = self.holder.get("picker")
+        if picker is None:
+            return 503, http.error_body("starting"), b"application/json"
+        return 200, orjson.dumps(picker.scheduler_state()), b"application/json"
 
 
 def create_app(config: EppConfig) -> http.Service:
@@ -137,12 +155,17 @@ def create_app(config: EppConfig) -> http.Service:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, watcher.reload)
         watch = loop.create_task(watcher.run(), name="pool-watcher")
+        background = [watch]
+        if config.engine_metrics_secs > 0:
+            reader = EngineMetricsReader(lambda: picker.pool, picker.scheduler, config.engine_metrics_secs)
+            background.append(loop.create_task(reader.run(), name="engine-metrics"))
         server = EppServer(picker, host=config.grpc_host, port=config.grpc_port, cert=config.cert, key=config.key,
                            client_ca=config.client_ca, ready=lambda: watcher.ready)
         try:
             await server.start()
         except Exception as exc:
-            watch.cancel()
+            for task in background:
+                task.cancel()
             raise RuntimeError(f"cannot serve gRPC on {config.grpc_host}:{config.grpc_port}: {exc}") from exc
         try:
             yield
@@ -150,9 +173,11 @@ def create_app(config: EppConfig) -> http.Service:
             logger.info("stopping: finishing the streams in flight (up to %.0f s)", config.shutdown_grace_secs)
             await server.stop(config.shutdown_grace_secs)
             await picker.settle()
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            for task in background:
+                task.cancel()
+            for task in background:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             loop.remove_signal_handler(signal.SIGHUP)
             await picker.aclose()
             await slot_tracker.aclose()
@@ -163,6 +188,7 @@ def create_app(config: EppConfig) -> http.Service:
             http.health_route(),
             Route("/busy_threshold", BusyThresholdEndpoint(holder), methods=["POST"]),
             Route("/pool", PoolEndpointList(holder), methods=["GET"]),
+            Route("/scheduler", SchedulerState(holder), methods=["GET"]),
         ],
         lifespan=lifespan,
     )
@@ -171,4 +197,4 @@ def create_app(config: EppConfig) -> http.Service:
     return app
 
 
-__all__ = ["DEFAULT_GRPC_PORT", "DEFAULT_METRICS_PORT", "EppConfig", "create_app"]
+__all__ = ["DEFAULT_ENGINE_METRICS_SECS", "DEFAULT_GRPC_PORT", "DEFAULT_METRICS_PORT", "EppConfig", "create_app"]

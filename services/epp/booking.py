@@ -109,6 +109,7 @@ class Booking:
         new_prefill_tokens: int,
         block_size: int,
         on_end: Callable[[], None],
+        on_prefilled: Callable[[], None] | None = None,
     ) -> None:
         self.slot_tracker = slot_tracker  # None: the slot tracker was away at the pick: own counts only
         self.metrics = metrics
@@ -122,6 +123,7 @@ class Booking:
         self.new_prefill_tokens = new_prefill_tokens
         self.block_size = block_size
         self.on_end = on_end
+        self.on_prefilled = on_prefilled
         self.prefilled = False
         self.output_tokens = 0
         self.output_blocks = 0
@@ -175,6 +177,8 @@ class Booking:
         if not self.prefilled:
             self.prefilled = True
             self.in_flight.prefilled(self.target.rank, self.new_prefill_tokens)
+            if self.on_prefilled is not None:
+                self.on_prefilled()
             if self.slot_tracker is not None:
                 self._then(self._prefill_complete)
         if self._non_stream_body is not None:

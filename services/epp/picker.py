@@ -8,15 +8,18 @@ Per request (`KvPicker.pick`):
 2. the prompt's token ids (`prompt.PromptReader`) become local block hashes (for the indexer)
    and chained sequence hashes (for the slot tracker), computed here: a `/query_by_hash` is
    cheaper for the indexer than hashing a `/query`'s token ids itself (bench.gateway);
-3. the indexer's overlap and the slot tracker's `/potential_loads` are read concurrently and
-   scored with the KV router's cost (`dynamo_lite.routing.score_ranks` and `choose`, the code
-   `KvRouter` runs): `overlap_weight * prefill_blocks + decode_blocks`, with temperature;
-   busy thresholds take ranks out;
+3. the indexer's overlap and the slot tracker's `/potential_loads` are read concurrently
+   (`dynamo_lite.routing.read_ranks`) and the scheduling cycle chooses (`dynamo_lite.scheduling`,
+   the one `KvRouter` and the simulator run): by default the rank with the least predicted time
+   to first token plus cache-write cost, or Dynamo's `overlap_weight * prefill_blocks +
+   decode_blocks` with `--cost dynamo`; busy thresholds take ranks out; a session header keeps a
+   conversation where its cache is;
 4. when every candidate is busy (or past `queue_threshold` x its max_num_batched_tokens of
    active prefill), the request waits in the queue (fcfs / wspt, priority from a header) until
    one has room, or is refused with 429 and `x-dynamo-lite-dropped-reason`;
 5. the pick and its fallbacks (the next cheapest ranks) go back to the gateway; the request is
-   booked (`booking.Booking`).
+   booked (`booking.Booking`), and the scheduler learns from its first token (the engine's
+   speed) and its end (the blocks its answer wrote).
 
 Degraded, never down: the indexer away → pick by load alone; the slot tracker away → by
 overlap and this picker's own in-flight counts; both → round robin. Each is counted and logged
@@ -32,18 +35,26 @@ import random
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from dynamo_lite.client import (
-    AsyncIndexerClient,
-    AsyncSlotTrackerClient,
-    PotentialLoad,
-    ServiceCallError,
-    ServiceStatusError,
-)
+from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
-from dynamo_lite.routing import RankCost, RouterConfig, choose, score_ranks
+from dynamo_lite.routing import RankReadings, read_ranks
+from dynamo_lite.scheduling import (
+    AllBusy,
+    BusyThresholds,
+    RankCost,
+    RankInfo,
+    RankKey,
+    RankLoad,
+    Scheduler,
+    SchedulerConfig,
+    SchedulingRequest,
+    Selection,
+    ttft_config,
+)
+from dynamo_lite.scheduling.cycle import FILTER_BUSY, FILTER_SATURATED
 
 from .booking import Booking, BookingTarget, InFlight
 from .metrics import EppMetrics
@@ -56,13 +67,14 @@ logger = logging.getLogger("dynamo_lite.epp")
 
 DROPPED_REASON_HEADER = "x-dynamo-lite-dropped-reason"
 DEFAULT_PRIORITY_HEADER = "x-request-priority"
+DEFAULT_SESSION_HEADER = "x-session-id"
 DEFAULT_FALLBACKS = 2
 LOAD_REFRESH_SECS = 0.05  # while requests wait in the queue, how often the loads are re-read
 
 
 @dataclass(frozen=True, slots=True)
 class PickerSettings:
-    router: RouterConfig = RouterConfig()
+    scheduler: SchedulerConfig = ttft_config()
     # Requests wait while every candidate's active prefill exceeds this fraction of its
     # max_num_batched_tokens (Dynamo's --router-queue-threshold); None: refuse at once instead.
     queue_threshold: float | None = 2.0
@@ -70,6 +82,8 @@ class PickerSettings:
     queue_max_wait_secs: float = 30.0
     queue_max_size: int = 1024
     priority_header: str = DEFAULT_PRIORITY_HEADER
+    # A request header naming the conversation (session affinity); None: sessions off.
+    session_header: str | None = DEFAULT_SESSION_HEADER
     fallbacks: int = DEFAULT_FALLBACKS
     seed: int | None = None
 
@@ -114,34 +128,74 @@ class KvPicker:
         self.prompts = prompts
         self.metrics = metrics
         self.settings = settings
-        self.router_config = settings.router
+        self.scheduler = Scheduler(settings.scheduler, seed=settings.seed, saturation_threshold=settings.queue_threshold)
         self.rng = random.Random(settings.seed)
         self.in_flight = InFlight()
         self.bookings: dict[str, Booking] = {}
         self._round_robin = itertools.count()
         self._slot_tracker_state = _Streak("slot tracker", metrics)
         self._indexer_state = _Streak("indexer", metrics)
-        self._last_loads: dict[tuple[int, int], int] = {}  # active prefill tokens per rank, last read
         self._rank_busy: dict[tuple[int, int], bool] = {}  # busy or saturated at the last look
+        self._infos: dict[RankKey, RankInfo] = {}
         self._queue = AdmissionQueue(RequestQueue(settings.queue_policy, settings.queue_max_size), self._has_capacity)
         self._refresher: asyncio.Task[None] | None = None
         self._settling: set[asyncio.Task[None]] = set()  # ended bookings whose calls are still going out
         self.pool: list[PoolEndpoint] = []
+        self._by_rank: dict[RankKey, PoolEndpoint] = {}
         self.set_pool(pool)
 
     # --- the pool and run-time settings ----------------------------------------------------------
 
     def set_pool(self, pool: Sequence[PoolEndpoint]) -> None:
+        gone = set(self._by_rank) - {endpoint.rank_key for endpoint in pool}
         self.pool = list(pool)
         self._by_rank = {endpoint.rank_key: endpoint for endpoint in self.pool}
+        self._infos = {endpoint.rank_key: RankInfo(endpoint.worker_id, endpoint.dp_rank, endpoint.total_kv_blocks,
+                                                   endpoint.max_num_batched_tokens) for endpoint in self.pool}
+        if gone:
+            self.scheduler.forget(gone)
         self._queue.poke()
 
-    def set_thresholds(self, **thresholds: Any) -> RouterConfig:
+    @property
+    def busy_thresholds(self) -> BusyThresholds:
+        return self.scheduler.config.busy
+
+    def set_thresholds(self, **thresholds: Any) -> BusyThresholds:
         """Busy thresholds at run time (`POST /busy_threshold`); ValueError for a bad value."""
-        self.router_config = replace(self.router_config, **thresholds)
+        busy = self.scheduler.set_busy_thresholds(**thresholds)
         self._rank_busy.clear()  # judged again at the next look
         self._queue.poke()
-        return self.router_config
+        return busy
+
+    def scheduler_state(self) -> dict[str, Any]:
+        """What `GET /scheduler` shows: the configuration and, per rank of the pool, what the
+        scheduler has learned."""
+        scheduler = self.scheduler
+        config = scheduler.config
+        known = scheduler.rates.known()
+        ranks = []
+        for endpoint in self.pool:
+            key = endpoint.rank_key
+            timing = scheduler.rates.timing(key)
+            estimate = known.get(key)
+            ranks.append({
+                "address": endpoint.address, "worker_id": endpoint.worker_id, "dp_rank": endpoint.dp_rank,
+                "kv_capacity_blocks": endpoint.total_kv_blocks or scheduler.capacities.get(key),
+                "prefill_secs_per_token": timing.prefill_secs_per_token, "decode_step_secs": timing.decode_step_secs,
+                "overhead_secs": estimate.overhead_secs if estimate is not None else 0.0,
+                "ttft_observations": estimate.observations if estimate is not None else 0,
+                "recent_write_blocks": scheduler.writes.written(key),
+            })
+        return {
+            "config": {"cost": config.cost, "scorers": dict(config.scorers), "temperature": config.temperature,
+                       "busy": {name: getattr(config.busy, name) for name in (
+                           "active_decode_blocks_threshold", "active_prefill_tokens_threshold",
+                           "active_prefill_tokens_threshold_frac")},
+                       "kv_capacity_filter": config.kv_capacity_filter, "session_ttl_secs": config.session_ttl_secs,
+                       "learn_rates": config.learn_rates, "saturation_threshold": scheduler.saturation_threshold},
+            "sessions": len(scheduler.sessions),
+            "ranks": ranks,
+        }
 
     async def aclose(self) -> None:
         self._queue.close()
@@ -177,14 +231,15 @@ class KvPicker:
         signed_local = [to_signed(h) for h in local]
         signed_seq = [to_signed(h) for h in sequence_hashes(local)]
         isl = len(prompt.token_ids)
+        session = request.headers.get(self.settings.session_header) if self.settings.session_header else None
+        scheduling = SchedulingRequest(isl, block_size, session_id=session or None)
         queued = False
         arrival = deadline = 0.0
         try:
             while True:
-                costs, outcome = await self._costs(candidates, candidates[0].model, tenant, signed_local, signed_seq,
-                                                   isl, block_size)
-                open_costs = [cost for cost in costs if not cost.busy and not self._saturated(cost)]
-                if open_costs:
+                selection, outcome = await self._select(scheduling, candidates, candidates[0].model, tenant,
+                                                        signed_local, signed_seq)
+                if selection is not None:
                     break
                 if self.settings.queue_threshold is None:
                     raise PickError(429, f"every endpoint serving {model!r} is busy",
@@ -201,18 +256,13 @@ class KvPicker:
                     arrival, deadline = now, now + self.settings.queue_max_wait_secs
                 await self._wait_in_queue(request, isl, arrival, deadline)
                 queued = True
-            if outcome == "round_robin":
-                ordered = self._rotate(open_costs)
-            else:
-                chosen = choose(open_costs, self.router_config.router_temperature, self.rng)
-                rest = sorted((cost for cost in open_costs if cost is not chosen),
-                              key=lambda c: (c.cost, c.worker_id, c.dp_rank))
-                ordered = [chosen, *rest]
+            ordered = self._rotate(selection.ordered) if outcome == "round_robin" else selection.ordered
             self.metrics.decisions.labels(outcome).inc()
             # The candidates as they were when the pick began: a pool re-read meanwhile does not
             # take an endpoint from under a decision made with it.
             by_rank = {endpoint.rank_key: endpoint for endpoint in candidates}
-            return self._book(request, tenant, ordered, by_rank, signed_seq, signed_local, isl, block_size, outcome)
+            return self._book(request, tenant, ordered, by_rank, signed_seq, signed_local, isl, block_size, outcome,
+                              selection, scheduling)
         finally:
             if queued:
                 # Booked (or refused): the queue may release the next request.
@@ -244,46 +294,18 @@ class KvPicker:
                 raise PickError(503, "no endpoint of the subset hint serves this model")
         return serving
 
-    def _saturated(self, cost: RankCost) -> bool:
-        threshold = self.settings.queue_threshold
-        if threshold is None:
-            return False
-        rank = (cost.worker_id, cost.dp_rank)
-        endpoint = self._by_rank.get(rank)
-        if endpoint is None:
-            return False
-        return self._last_loads.get(rank, 0) > threshold * endpoint.max_num_batched_tokens
-
     def _rotate(self, costs: list[RankCost]) -> list[RankCost]:
         ordered = sorted(costs, key=lambda c: (c.worker_id, c.dp_rank))
         start = next(self._round_robin) % len(ordered)
         return ordered[start:] + ordered[:start]
 
-    async def _costs(self, candidates: list[PoolEndpoint], model: str, tenant: str, local: list[int],
-                     seq: list[int], isl: int, block_size: int) -> tuple[list[RankCost], str]:
-        overlap_result, loads_result = await asyncio.gather(
-            self.indexer.query_by_hash(model, local, tenant_id=tenant),
-            self.slot_tracker.potential_loads(model, seq, 0, tenant_id=tenant),
-            return_exceptions=True,
-        )
-        indexer_up, cached = self._read_overlap(overlap_result)
-        tracker_up, loads = self._read_loads(loads_result, candidates)
-        ranks = {endpoint.rank_key for endpoint in candidates}
-        if not tracker_up:
-            loads = [self._own_load(endpoint, len(seq)) for endpoint in candidates]
-        else:
-            loads = [load for load in loads if (load.worker_id, load.dp_rank) in ranks]
-            known = {(load.worker_id, load.dp_rank) for load in loads}
-            # A rank the slot tracker does not list (not registered yet) cannot be booked there.
-            if not loads:
-                loads = [self._own_load(endpoint, len(seq)) for endpoint in candidates if endpoint.rank_key not in known]
-                tracker_up = False
-        capacities = {endpoint.rank_key: endpoint.max_num_batched_tokens for endpoint in candidates}
-        for load in loads:
-            self._last_loads[(load.worker_id, load.dp_rank)] = load.potential_prefill_tokens
-        costs = score_ranks(loads, cached, isl, block_size, self.router_config, capacities)
-        for cost in costs:
-            self._rank_busy[(cost.worker_id, cost.dp_rank)] = cost.busy or self._saturated(cost)
+    async def _select(self, request: SchedulingRequest, candidates: list[PoolEndpoint], model: str, tenant: str,
+                      local: list[int], seq: list[int]) -> tuple[Selection | None, str]:
+        """Read both services and run the scheduling cycle; (None, outcome) when every candidate
+        is busy or saturated (the caller queues the request)."""
+        readings = await read_ranks(self.slot_tracker, self.indexer, model, tenant, local, seq)
+        indexer_up = self._read_overlap(readings)
+        loads, tracker_up = self._read_loads(readings, candidates, len(seq))
         if indexer_up and tracker_up:
             outcome = "kv"
         elif tracker_up:
@@ -292,35 +314,45 @@ class KvPicker:
             outcome = "overlap_only"
         else:
             outcome = "round_robin"
-        return costs, outcome
+        try:
+            selection = self.scheduler.schedule(request, loads, self._infos)
+        except AllBusy as busy:
+            self._note_busy(busy.costs)
+            return None, outcome
+        self._note_busy(selection.costs)
+        return selection, outcome
 
-    def _read_overlap(self, result: Any) -> tuple[bool, dict[tuple[int, int], int]]:
-        if isinstance(result, ServiceStatusError) and result.status == 404:
-            self._indexer_state.ok()  # nothing of this model indexed yet: no overlap anywhere
-            return True, {}
-        # A failed call (`ServiceCallError`) or an answer that does not read (not JSON, another shape).
-        if isinstance(result, Exception):
-            self._indexer_state.failed(result, "by load alone")
-            return False, {}
-        if isinstance(result, BaseException):
-            raise result
-        self._indexer_state.ok()
-        return True, result.scores
+    def _note_busy(self, costs: list[RankCost]) -> None:
+        for cost in costs:
+            self._rank_busy[cost.key] = cost.filtered in (FILTER_BUSY, FILTER_SATURATED)
 
-    def _read_loads(self, result: Any, candidates: list[PoolEndpoint]) -> tuple[bool, list[PotentialLoad]]:
-        # A failed call (`ServiceCallError`) or an answer that does not read (not JSON, another shape).
-        if isinstance(result, Exception):
-            self._slot_tracker_state.failed(result, "by overlap and this picker's own in-flight counts")
-            return False, []
-        if isinstance(result, BaseException):
-            raise result
-        self._slot_tracker_state.ok()
-        return True, result
+    def _read_overlap(self, readings: RankReadings) -> bool:
+        if readings.indexer_error is not None:
+            # A failed call, or an answer that does not read (not JSON, another shape).
+            self._indexer_state.failed(readings.indexer_error, "by load alone")
+            return False
+        self._indexer_state.ok()  # a 404 too: nothing of this model indexed yet, no overlap anywhere
+        return True
 
-    def _own_load(self, endpoint: PoolEndpoint, prompt_blocks: int) -> PotentialLoad:
+    def _read_loads(self, readings: RankReadings, candidates: list[PoolEndpoint],
+                    prompt_blocks: int) -> tuple[list[RankLoad], bool]:
+        """The candidates' loads: the slot tracker's rows for the ranks it lists; when it failed,
+        or lists none of them (not registered there yet: its 404), this picker's own counts, and
+        nothing is booked on the slot tracker."""
+        cached = readings.cached
+        if readings.tracker_error is not None:
+            self._slot_tracker_state.failed(readings.tracker_error, "by overlap and this picker's own in-flight counts")
+        else:
+            self._slot_tracker_state.ok()
+            loads = readings.rank_loads([endpoint.rank_key for endpoint in candidates])
+            if loads:
+                return loads, True
+        return [self._own_load(endpoint, prompt_blocks, cached.get(endpoint.rank_key, 0)) for endpoint in candidates], False
+
+    def _own_load(self, endpoint: PoolEndpoint, prompt_blocks: int, cached_tokens: int) -> RankLoad:
         count = self.in_flight.get(endpoint.rank_key)
-        return PotentialLoad(endpoint.worker_id, endpoint.dp_rank, count.prefill_tokens,
-                             count.decode_blocks + prompt_blocks, count.requests)
+        return RankLoad(endpoint.worker_id, endpoint.dp_rank, cached_tokens, count.prefill_tokens,
+                        count.decode_blocks + prompt_blocks, count.requests)
 
     # --- the queue ---------------------------------------------------------------------------
 
@@ -330,17 +362,9 @@ class KvPicker:
         return any(not self._rank_busy.get(endpoint.rank_key, False) for endpoint in self.pool)
 
     def _busy_by_load(self, endpoint: PoolEndpoint, prefill_tokens: int, decode_blocks: int) -> bool:
-        """`score_ranks`' busy rule and the queue threshold, from a rank's current load (a new
-        request would add at least one decode block)."""
-        config = self.router_config
-        capacity = endpoint.max_num_batched_tokens
-        frac = config.active_prefill_tokens_threshold_frac
-        queue = self.settings.queue_threshold
-        return bool(
-            (config.active_decode_blocks_threshold is not None and decode_blocks + 1 > config.active_decode_blocks_threshold)
-            or (config.active_prefill_tokens_threshold is not None and prefill_tokens > config.active_prefill_tokens_threshold)
-            or (frac is not None and prefill_tokens > frac * capacity)
-            or (queue is not None and prefill_tokens > queue * capacity))
+        """The scheduler's busy and saturation filters, from a rank's current load (a new request
+        would add at least one decode block)."""
+        return self.scheduler.busy(self._infos[endpoint.rank_key], prefill_tokens, decode_blocks + 1)
 
     async def _wait_in_queue(self, request: RequestInfo, isl: int, arrival: float, deadline: float) -> None:
         item = QueuedRequest(request_id=request.request_id, isl_tokens=isl, arrival=arrival,
@@ -379,7 +403,6 @@ class KvPicker:
             try:
                 for load in await self.slot_tracker.loads():
                     rank = (load.worker_id, load.dp_rank)
-                    self._last_loads[rank] = load.active_prefill_tokens
                     endpoint = self._by_rank.get(rank)
                     if endpoint is not None:
                         self._rank_busy[rank] = self._busy_by_load(endpoint, load.active_prefill_tokens,
@@ -398,8 +421,10 @@ class KvPicker:
 
     def _book(self, request: RequestInfo, tenant: str, ordered: list[RankCost],
               by_rank: dict[tuple[int, int], PoolEndpoint], seq: list[int], local: list[int], isl: int,
-              block_size: int, outcome: str) -> Pick:
+              block_size: int, outcome: str, selection: Selection, scheduling: SchedulingRequest) -> Pick:
         chosen = ordered[0]
+        self.scheduler.booked(selection, scheduling, self._infos, rank=chosen.key)
+        picked_at = time.monotonic()
         endpoint = by_rank[(chosen.worker_id, chosen.dp_rank)]
         target = BookingTarget(endpoint.worker_id, endpoint.dp_rank, endpoint.address)
         addresses = [endpoint.address]
@@ -419,6 +444,7 @@ class KvPicker:
             request_id=request_id, model=endpoint.model, tenant_id=tenant, target=target, fallbacks=fallbacks,
             sequence_hashes=seq, new_prefill_tokens=max(isl - chosen.cached_tokens, 0), block_size=block_size,
             on_end=lambda: self._ended(request_id),
+            on_prefilled=lambda: self._first_token(booking, chosen, picked_at),
         )
         self.bookings[request_id] = booking
         if endpoint.kv_events_endpoint is None and outcome in ("kv", "overlap_only"):
@@ -431,7 +457,7 @@ class KvPicker:
             "x-request-id": request_id,
         }
         logger.debug("request %s -> %s (%s)", request_id, endpoint.address,
-                     chosen.formula(self.router_config.overlap_score_weight),
+                     chosen.formula(),
                      extra={"fields": {"request_id": request_id, "endpoint": endpoint.address, "outcome": outcome}})
         return Pick(endpoints=addresses, headers=headers, tracker=booking)
 
@@ -444,10 +470,17 @@ class KvPicker:
             self.metrics.lifecycle_failures.labels("routed").inc()
             logger.debug("/routed for %s failed: %s", endpoint.address, error)
 
+    def _first_token(self, booking: Booking, chosen: RankCost, picked_at: float) -> None:
+        """The engine's first token: the scheduler learns how long the rank took (unless the
+        gateway served the request elsewhere, which the cost did not describe)."""
+        if booking.target.rank == chosen.key:
+            self.scheduler.first_token(chosen, time.monotonic() - picked_at)
+
     def _ended(self, request_id: str) -> None:
         booking = self.bookings.pop(request_id, None)
         self._queue.poke()
         if booking is not None:
+            self.scheduler.ended(booking.target.rank, booking.output_tokens, booking.block_size)
             task = asyncio.get_running_loop().create_task(booking.settled())
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)

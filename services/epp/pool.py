@@ -12,6 +12,8 @@ one data-parallel rank of one engine:
         kv_events_endpoint: tcp://10.0.0.7:5557   # optional: the indexer subscribes to it
         replay_endpoint: tcp://10.0.0.7:5600      # optional, only with kv_events_endpoint
         max_num_batched_tokens: 8192    # the engine's per-step token budget (default 8192)
+        total_kv_blocks: 30000          # optional: KV blocks per rank (vLLM's num_gpu_blocks); else
+                                        # read from the engine's /metrics
         tenant_id: default
         lora_names: [sql-adapter]       # LoRA adapters the engine serves under other names
 
@@ -192,6 +194,7 @@ class PoolEndpoint:
     kv_events_endpoint: str | None = None
     replay_endpoint: str | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    total_kv_blocks: int | None = None
     tenant_id: str = DEFAULT_TENANT
     lora_names: tuple[str, ...] = ()
 
@@ -217,6 +220,8 @@ class PoolEndpoint:
         if self.replay_endpoint is not None and self.kv_events_endpoint is None:
             raise _FieldError("replay_endpoint", "needs a kv_events_endpoint (replay serves missed KV events)")
         _int_field("max_num_batched_tokens", self.max_num_batched_tokens, 1, U64_MODULUS, "> 0")
+        if self.total_kv_blocks is not None:
+            _int_field("total_kv_blocks", self.total_kv_blocks, 1, U64_MODULUS, "> 0")
         _string_field("tenant_id", self.tenant_id)
         if ":" in self.tenant_id:
             raise _FieldError("tenant_id", f"must not contain ':' (the indexer refuses it), got {self.tenant_id!r}")

@@ -51,6 +51,9 @@ MAX_BODY = 16 * 1024 * 1024
 # vLLM's buckets for vllm:time_to_first_token_seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's buckets for vllm:inter_token_latency_seconds.
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
 _FILLER_WORD = re.compile(r" [a-z]{2,10}")
 
 
@@ -265,6 +268,13 @@ class VllmCollector(Collector):
             "preemptions": CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                                                labels=labels),
         }
+        # vLLM publishes its cache configuration as labels of a constant gauge; a router reads the
+        # KV capacity (num_gpu_blocks) from it.
+        cache_info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                       labels=["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"])
+        for rank in self.engine.ranks:
+            cache_info.add_metric([str(rank.cache.block_size), "True", str(rank.cache.num_blocks), str(rank.dp_rank)], 1)
+        yield cache_info
         for rank in self.engine.ranks:
             values = [self.model, str(rank.dp_rank)]
             scheduler, cache = rank.scheduler, rank.cache
@@ -315,8 +325,11 @@ def create_app(config: EngineConfig, tokenizer: Tokenizer, *, default_max_tokens
     )
     ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                      ["model_name", "engine"], buckets=TTFT_BUCKETS, registry=app.metrics_registry)
+    itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                    ["model_name", "engine"], buckets=ITL_BUCKETS, registry=app.metrics_registry)
     for rank in engine.ranks:
         rank.ttft_observer = lambda dp_rank, seconds: ttft.labels(config.model, str(dp_rank)).observe(seconds)
+        rank.itl_observer = lambda dp_rank, seconds: itl.labels(config.model, str(dp_rank)).observe(seconds)
     app.state.engine = engine
     return app
 

@@ -173,6 +173,15 @@ class PrefixCache:
             count += 1
         return count
 
+    def held_prefix_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `hashes` are cached (what an indexer matches, without the
+        engine's rule of computing the last prompt token)."""
+        count = 0
+        cached = self._cached
+        while count < len(hashes) and hashes[count] in cached:
+            count += 1
+        return count
+
     def blocks_needed(self, seq: Sequence_, tokens: int) -> int:
         """New blocks `seq` needs to hold `tokens` tokens."""
         return max(0, -(-tokens // self.block_size) - len(seq.blocks))

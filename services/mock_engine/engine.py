@@ -167,6 +167,7 @@ class Rank:
         self.publisher: EnginePublisher | None = None
         self.streams: dict[int, RequestStream] = {}  # id(EngineRequest) -> stream
         self.ttft_observer: Any = None  # set by the app: called with (rank, seconds)
+        self.itl_observer: Any = None  # set by the app: called with (rank, seconds) for each later token
         self.steps = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -239,8 +240,14 @@ class Rank:
                 stream = self.streams.get(id(request))
                 if stream is None:
                     continue
-                if output.token_id is not None and len(request.output_token_ids) == 1 and self.ttft_observer:
-                    self.ttft_observer(self.dp_rank, loop.time() - request.arrival)
+                if output.token_id is not None:
+                    now = loop.time()
+                    if len(request.output_token_ids) == 1:
+                        if self.ttft_observer:
+                            self.ttft_observer(self.dp_rank, now - request.arrival)
+                    elif self.itl_observer and request.last_token_at is not None:
+                        self.itl_observer(self.dp_rank, now - request.last_token_at)
+                    request.last_token_at = now
                 if output.finished is not None:
                     del self.streams[id(request)]
                 stream.deliver(output)

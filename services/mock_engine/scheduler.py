@@ -50,6 +50,7 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)
     cached_tokens: int = -1  # prompt tokens served from the cache (set at first admission)
     first_token_at: float | None = None
+    last_token_at: float | None = None  # the engine shell's clock, for the inter-token latency
     finished: str | None = None
     preemptions: int = 0
 

@@ -20,6 +20,7 @@ import asyncio
 import gc
 import os
 import sys
+from dataclasses import replace
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ import orjson
 
 from dynamo_lite.cli import HelpFormatter, add_client_arguments, client_credentials_from
 from dynamo_lite.client import ServiceCallError
-from dynamo_lite.routing import RouterConfig
+from dynamo_lite.scheduling import COSTS, SchedulerConfig, SchedulerConfigError, dynamo_config, load_config, preset
 
 from .bound import fleet_lru_bound
 from .calls import LatencyRecorder, service_clients
@@ -115,10 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-tps", type=_positive_float, default=DEFAULTS.decode_tps,
                         help="decode speed per request, tokens/s")
     parser.add_argument("--policy", choices=(*POLICY_NAMES, "all"), default="all", help="routing policy")
-    parser.add_argument("--overlap-weight", type=_non_negative_float, default=RouterConfig().overlap_score_weight,
-                        help="kv policy: weight of prefill blocks in the cost")
-    parser.add_argument("--temperature", type=_non_negative_float, default=RouterConfig().router_temperature,
-                        help="kv policy: softmax temperature (0 = cheapest rank)")
+    parser.add_argument("--cost", choices=COSTS, default=None,
+                        help="kv policies' cost: ttft (the default, as the endpoint picker's) or dynamo (Dynamo's "
+                        "overlap_weight * prefill_blocks + decode_blocks)")
+    parser.add_argument("--scheduler-config", default=None, metavar="FILE",
+                        help="kv policies: a scheduler YAML file (docs/routing.md), instead of --cost")
+    parser.add_argument("--overlap-weight", type=_non_negative_float, default=None,
+                        help="kv policies with --cost dynamo: weight of prefill blocks in the cost (default 1)")
+    parser.add_argument("--temperature", type=_non_negative_float, default=None,
+                        help="kv policies: softmax temperature (0, the default: the cheapest rank)")
     parser.add_argument("--worker-id-base", type=_positive_int, default=1,
                         help="the simulated workers' ids are this and the next --workers - 1; they must not be "
                         "registered with another model (an indexer instance id belongs to one model)")
@@ -136,9 +142,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """The kv policies' scheduling cycle: --scheduler-config or --cost, then --overlap-weight and
+    --temperature on top (SchedulerConfigError for a combination that means nothing)."""
+    if args.scheduler_config is not None and args.cost is not None:
+        raise SchedulerConfigError("--cost and --scheduler-config go one or the other")
+    if args.overlap_weight is not None and (args.cost or "ttft") != "dynamo" and args.scheduler_config is None:
+        raise SchedulerConfigError("--overlap-weight is a weight of Dynamo's cost: add --cost dynamo")
+    if args.scheduler_config is not None:
+        config = load_config(args.scheduler_config)
+    elif args.cost == "dynamo":
+        config = dynamo_config(1.0 if args.overlap_weight is None else args.overlap_weight)
+    else:
+        config = preset(args.cost or "ttft")
+    if args.temperature is not None:
+        config = replace(config, temperature=args.temperature)
+    return config
+
+
 async def simulate(requests: list[SimRequest], config: FleetConfig, args: argparse.Namespace) -> list[PolicyResult]:
     names = POLICY_NAMES if args.policy == "all" else (args.policy,)
-    router_config = RouterConfig(overlap_score_weight=args.overlap_weight, router_temperature=args.temperature)
+    router_config = args.scheduler
     run_tag = os.urandom(4).hex()
     results = []
     for name in names:
@@ -178,7 +202,12 @@ async def _check_reachable(call: Any, what: str, url: str, flag: str, variable: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.scheduler = scheduler_config(args)
+    except SchedulerConfigError as exc:
+        parser.error(str(exc))
     try:
         config = FleetConfig(args.workers, args.dp_size, args.kv_blocks, args.block_size,
                              args.prefill_tps, args.decode_tps, args.worker_id_base)
@@ -205,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     settings = {
         "trace": args.trace, "limit": args.limit, "time_scale": args.time_scale, "policy": args.policy,
-        "overlap_weight": args.overlap_weight, "temperature": args.temperature, "seed": args.seed,
+        "cost": args.scheduler.cost, "scorers": dict(args.scheduler.scorers), "overlap_weight": args.overlap_weight,
+        "temperature": args.scheduler.temperature, "seed": args.seed,
         "slot_tracker": args.slot_tracker, "indexer": args.indexer,
     }
     if args.json:

@@ -300,6 +300,7 @@ class Simulation:
             request.input_length - expected, tenant_id=TENANT,
         )
         self._expected_cached_tokens += expected
+        self.policy.booked(request, placement)
         state = self.ranks[placement.rank]
         state.routed += 1
         state.load.add(now, request.sequence_hashes)
@@ -338,6 +339,7 @@ class Simulation:
         self._pending_notices.append((_NOTE_PREFILL_COMPLETE, item.request_id, 0))
         item.prefill_end = now
         self._ttfts.append(now - item.request.arrival)
+        self.policy.first_token(item.request, item.rank, now - item.request.arrival)
         self._waits.append(item.prefill_start - item.request.arrival)
         state.prefilling = None
         config = self.config
@@ -358,6 +360,7 @@ class Simulation:
         state.cache.release(item.request.sequence_hashes)
         state.load.remove(now, item.request.sequence_hashes, item.output_blocks)
         self._pending_notices.append((_NOTE_FREE, item.request_id, 0))
+        self.policy.ended(item.request, item.rank)
         self._start_prefill(state, now)
 
     def _schedule(self, when: float, kind: int, item: _Request) -> None:

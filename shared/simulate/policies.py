@@ -1,7 +1,10 @@
 """Routing policies the simulator compares; each picks a (worker_id, dp_rank) for a request.
 
-* `kv` - the gateway's KV selector (`dynamo_lite.routing.KvRouter`): indexer overlap plus slot
-  tracker loads, Dynamo's cost `overlap_weight * prefill_blocks + decode_blocks`;
+* `kv` - the gateway's KV selector (`dynamo_lite.routing.KvRouter`, the scheduling cycle the
+  endpoint picker runs too): indexer overlap plus slot tracker loads, with the configured cost
+  (default: predicted time to first token plus cache-write cost; or Dynamo's
+  `overlap_weight * prefill_blocks + decode_blocks`); it learns from each request's simulated
+  first token and end as a gateway does from the real ones;
 * `kv_approx` - the same selector for engines that publish no KV events: the simulated engines
   send none, and the router records each decision on the indexer (`/routed`), which assumes
   the prompt's blocks stay on the chosen rank for its `--approx-ttl-secs`;
@@ -24,7 +27,8 @@ from typing import Final
 
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
 from dynamo_lite.hashing import to_signed_list
-from dynamo_lite.routing import KvRouter, RouterConfig
+from dynamo_lite.routing import Decision, KvRouter
+from dynamo_lite.scheduling import SchedulerConfig
 
 from .fleet import RankKey
 from .trace import SimRequest
@@ -36,6 +40,7 @@ POLICY_NAMES: Final = ("kv", "kv_approx", "round_robin", "random", "least_loaded
 class Placement:
     rank: RankKey
     expected_cached_tokens: int
+    decision: Decision | None = None  # the kv policies' decision, for what the scheduler learns
 
 
 class Policy(ABC):
@@ -45,6 +50,16 @@ class Policy(ABC):
     @abstractmethod
     async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
         """Choose a rank for `request` (its sequence hashes already signed for the services)."""
+
+    # What a gateway learns from: the policies blind to the fleet (round robin, random) ignore it.
+    def booked(self, request: SimRequest, placement: Placement) -> None:  # noqa: B027
+        """The engine booked `request` where `placement` says."""
+
+    def first_token(self, request: SimRequest, rank: RankKey, seconds: float) -> None:  # noqa: B027
+        """`request`'s first token came `seconds` (simulated) after its arrival."""
+
+    def ended(self, request: SimRequest, rank: RankKey) -> None:  # noqa: B027
+        """`request`'s answer ended (all its output tokens generated)."""
 
 
 class KvPolicy(Policy):
@@ -56,11 +71,13 @@ class KvPolicy(Policy):
         indexer: AsyncIndexerClient,
         model_name: str,
         block_size: int,
-        config: RouterConfig,
+        config: SchedulerConfig,
         seed: int,
     ) -> None:
         self.model_name = model_name
+        self.block_size = block_size
         self.router = KvRouter(slot_tracker, indexer, block_size=block_size, config=config, seed=seed)
+        self._decisions: dict[int, Decision] = {}
 
     async def place(self, request: SimRequest, signed_sequence_hashes: list[int]) -> Placement:
         decision = await self.router.select(
@@ -73,7 +90,22 @@ class KvPolicy(Policy):
             # The engine books the request itself (/add), not the router's `commit`, so the
             # router records the decision here, as `commit` would for these ranks.
             await self.router.record(decision)
-        return Placement((decision.worker_id, decision.dp_rank), decision.chosen.cached_tokens)
+        return Placement((decision.worker_id, decision.dp_rank), decision.chosen.cached_tokens, decision)
+
+    def booked(self, request: SimRequest, placement: Placement) -> None:
+        decision = placement.decision
+        if decision is not None:
+            self.router.scheduler.booked(decision.selection, decision.request, rank=placement.rank)
+            self._decisions[request.index] = decision
+
+    def first_token(self, request: SimRequest, rank: RankKey, seconds: float) -> None:
+        decision = self._decisions.get(request.index)
+        if decision is not None:
+            self.router.scheduler.first_token(decision.chosen, seconds)
+
+    def ended(self, request: SimRequest, rank: RankKey) -> None:
+        if self._decisions.pop(request.index, None) is not None:
+            self.router.scheduler.ended(rank, request.output_length, self.block_size)
 
 
 class KvApproxPolicy(KvPolicy):
@@ -134,7 +166,7 @@ def make_policy(
     model_name: str,
     ranks: list[RankKey],
     block_size: int,
-    router_config: RouterConfig,
+    router_config: SchedulerConfig,
     seed: int,
 ) -> Policy:
     if name == "kv":
