@@ -1,23 +1,18 @@
 """The gateway benchmark: Envoy + the endpoint picker, end to end, every part a real process.
 
-    python -m bench.gateway                    # the full run (about 6 minutes), into bench/out/gateway
-    python -m bench.gateway --quick            # a smoke run of every path (about 2-3 minutes), into a temp dir
-    python -m bench.gateway --requests 100 --out /tmp/gw
-    python -m bench.gateway --parts chat       # one part (trace, chat, cost, profile), into a temp dir
+    python -m bench.gateway                    # the full run (about 40 minutes), into bench/out/gateway
+    python -m bench.gateway --quick            # a smoke run of every path (a few minutes), into a temp dir
+    python -m bench.gateway --parts routing --workloads chat --rates 1 3
+    python -m bench.gateway --parts cost       # one part (routing, cost, profile), into a temp dir
 
 Two questions, one run:
 
-1. **Routing quality**, on two workloads, each streamed `/v1/completions` through Envoy to 4
-   engine stand-ins, routed by the picker (its defaults, and leaning on the cache; on the chat
-   also leaning with its costs sampled), and by Envoy's own ROUND_ROBIN and LEAST_REQUEST
-   (deploy/envoy/envoy-fallbacks.yaml without the ext_proc filter). Fresh processes (empty caches) for each policy. Per policy: the prefix hit
-   ratio (cached ÷ prompt tokens, from each answer's usage), TTFT p50/p99 at the client,
-   requests/s and errors; and the hit ratio a perfect router could reach on the same prompts.
-   - The Mooncake conversation sample (shared/simulate/data/), at the trace's arrival times: real
-     arrivals, but little reuse (a perfect router reaches 1.39x round robin's hit ratio).
-   - Multi-turn chat (bench/gateway_chat.py): conversations whose every turn sends the whole
-     conversation so far, a turn only after the previous answer, with caches too small for one
-     engine to hold every conversation: where keeping a conversation on one engine pays.
+1. **Routing quality** on a fleet-sized gateway (bench/gateway_routing.py): the Mooncake
+   conversation trace's first 2,000 requests and a multi-turn chat, each at its base rate and at
+   2x and 3x, on 8 engine stand-ins whose caches together hold 1.4x the workload's distinct
+   prompt blocks; routed by the picker (its defaults, and `--cost dynamo`) and by Envoy's own
+   ROUND_ROBIN and LEAST_REQUEST; beside each, the simulator's numbers for the same run and the
+   bound (one endless cache). Fresh processes (empty caches) for each policy.
 2. **The picker's own cost.** (a) the latency it adds: one small streamed request at a fixed
    open-loop rate through Envoy with the picker and through Envoy ROUND_ROBIN without ext_proc;
    (b) its CPU seconds per request (/proc/<pid>/stat); (c) the requests/s one picker process
@@ -43,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -51,12 +46,11 @@ from typing import Any
 import orjson
 import uvloop
 
-from . import gateway_chat, gateway_profile, gateway_trace
+from . import gateway_profile, gateway_routing
 from .gateway_chat import ChatShape
-from .gateway_load import Outcome, Planned, Summary, closed_loop, open_loop, summarise
+from .gateway_load import Outcome, Planned, closed_loop, open_loop, summarise
+from .gateway_routing import RoutingSettings
 from .gateway_stack import (
-    BLOCK_SIZE,
-    LEAST_REQUEST,
     MODEL,
     PICKER_FULL,
     PICKER_HEADERS_ONLY,
@@ -74,7 +68,7 @@ from .servers import CLIENT_CPU, SERVER_CPU
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "out" / "gateway"
-ENGINES = 4
+ENGINES = 4  # part 2: the picker's cost does not depend on the fleet's size
 # The picker's ext_proc configurations compared in part 2 (c), in the table's order.
 PICKER_CONFIGS = {
     PICKER_FULL: "(i) full duplex both ways (as shipped)",
@@ -85,59 +79,8 @@ PICKER_CONFIGS = {
 
 
 @dataclass(frozen=True)
-class Policy:
-    name: str
-    variant: str  # the Envoy configuration
-    title: str
-    picker_flags: tuple[str, ...] = ()
-
-
-# Part 1's policies. The picker as it starts by default (Dynamo's KV router cost, overlap weight
-# 1), and leaning on the cache (weight 4): the gap between the first and the ideal hit ratio is
-# the cost trading cache hits for balance, which the second shows.
-PICKER_DEFAULT = Policy("picker", PICKER_FULL, "picker (KV + load, defaults)")
-PICKER_CACHE_LEANING = Policy("picker_overlap_4", PICKER_FULL, "picker, `--overlap-score-weight 4`",
-                              ("--overlap-score-weight", "4"))
-# Leaning on the cache herds requests that share a hot prefix (the chat's system prompt) onto
-# the engine that cached it first, past what its cache holds; sampling the costs (Dynamo's
-# router temperature) spreads them. One value tried (0.2), not tuned; the chat workload only.
-PICKER_CACHE_SAMPLED = Policy("picker_overlap_4_t02", PICKER_FULL,
-                              "picker, `--overlap-score-weight 4 --router-temperature 0.2`",
-                              ("--overlap-score-weight", "4", "--router-temperature", "0.2"))
-POLICIES = (PICKER_DEFAULT, PICKER_CACHE_LEANING, PICKER_CACHE_SAMPLED,
-            Policy(ROUND_ROBIN, ROUND_ROBIN, "Envoy ROUND_ROBIN"),
-            Policy(LEAST_REQUEST, LEAST_REQUEST, "Envoy LEAST_REQUEST"))
-# The Mooncake workload's policies (as in its first run).
-TRACE_POLICIES = (PICKER_DEFAULT.name, PICKER_CACHE_LEANING.name, ROUND_ROBIN, LEAST_REQUEST)
-
-
-@dataclass(frozen=True)
 class Settings:
-    # Part 1: the trace.
-    requests: int = 300  # the whole bundled sample
-    tokens_per_hash_id: int = 64  # one Mooncake 512-token block becomes 64 tokens (1/8)
-    max_tokens_cap: int = 64
-    # Trace time ÷ this: the sample's 105 s in 30 s, about 10 requests/s.
-    compression: float = 3.5
-    # The engines' prefill per token is the H100 model's x 8 (512 / tokens_per_hash_id): a scaled
-    # prompt then takes as long to prefill as the Mooncake prompt it stands for, and cache hits
-    # save what they would save. Then everything runs this many times faster than modelled: at
-    # ~10 requests/s round robin keeps the engines' prefill about half busy.
-    trace_speedup: float = 2.0
-    # 8192 blocks of 16 tokens per engine: the four caches together hold a little less than the
-    # sample's prompts, so what stays cached, and where, depends on the routing.
-    trace_num_blocks: int = 8192
-    policies: tuple[str, ...] = TRACE_POLICIES
-    # Part 1, second workload: multi-turn chat, the engines timed as for the trace. 512 blocks per
-    # engine: one engine holds about a third of the 1,476 blocks the 24 conversations end with
-    # (their last prompts and answers, bench/gateway_chat.py's footprint). In an LRU model of the
-    # caches (no timing), keeping each conversation on one engine fits (76.6% hits, the ideal's
-    # 77.2%, even with 8 conversations on one engine), and round robin, which scatters every
-    # conversation over every engine, evicts (43.9% hits; 49.5% with endless caches). With 768
-    # blocks round robin hardly evicted (48.8% measured).
-    chat: ChatShape = ChatShape()
-    chat_num_blocks: int = 512
-    chat_policies: tuple[str, ...] = tuple(policy.name for policy in POLICIES)  # all five
+    routing: RoutingSettings = RoutingSettings()
     # Part 2: the picker's cost, engines made nearly free.
     fast_speedup: float = 1000.0
     latency_rate: float = 100.0  # requests/s, open loop
@@ -157,138 +100,12 @@ class Settings:
 
     @classmethod
     def quick_run(cls) -> Settings:
-        """Every path once, shortly: 100 trace requests (no conversation reuse yet: the sample's
-        first later turn is request 134), 12 chats of 3 turns, one picker setting, 2-3 s windows."""
-        return cls(requests=100, policies=(PICKER_DEFAULT.name, ROUND_ROBIN, LEAST_REQUEST),
-                   chat=ChatShape(conversations=12, turns=3, min_gap=6), chat_num_blocks=384,
-                   chat_policies=(PICKER_DEFAULT.name, ROUND_ROBIN), latency_seconds=2.0,
-                   latency_rounds=1, throughput_seconds=3.0, bookkeeping_seconds=2.0, profile_seconds=3.0, quick=True)
-
-
-# --- part 1: routing quality ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PolicyResult:
-    policy: Policy
-    summary: Summary
-    requests_per_s: float
-    wall_s: float
-    conversation_hit_ratio: float  # cached tokens past each prompt's first hash id ÷ prompt tokens
-    picker_cpu_s_per_request: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.name, "title": self.policy.title,
-                "picker_flags": list(self.policy.picker_flags), **asdict(self.summary),
-                "hit_ratio": self.summary.hit_ratio, "conversation_hit_ratio": self.conversation_hit_ratio,
-                "requests_per_s": self.requests_per_s, "wall_s": self.wall_s,
-                "picker_cpu_s_per_request": self.picker_cpu_s_per_request}
-
-
-def oracle_hits(plan: Sequence[Planned], first_tokens: int) -> tuple[float, float]:
-    """The hit ratio (and the part past the first `first_tokens`) of one engine with an endless
-    cache that sees every request in order: the most any routing can reach. Counted as the engine
-    counts: full blocks only, and the last prompt token is always computed."""
-    seen: set[int] = set()
-    cached = beyond = total = 0
-    for item in plan:
-        prompt: list[int] = orjson.loads(item.body)["prompt"]
-        total += len(prompt)
-        key = 0
-        hit_blocks = 0
-        reusable = (len(prompt) - 1) // BLOCK_SIZE
-        still_hitting = True
-        for block in range(len(prompt) // BLOCK_SIZE):
-            key = hash((key, tuple(prompt[block * BLOCK_SIZE:(block + 1) * BLOCK_SIZE])))
-            if still_hitting and key in seen and block < reusable:
-                hit_blocks += 1
-            else:
-                still_hitting = False
-            seen.add(key)
-        cached += hit_blocks * BLOCK_SIZE
-        beyond += max(0, hit_blocks * BLOCK_SIZE - first_tokens)
-    return (cached / total, beyond / total) if total else (0.0, 0.0)
-
-
-def _trace_engines(settings: Settings, num_blocks: int, max_model_len: int) -> EngineSettings:
-    """The engines of part 1: prefill per token the H100 model's x 8 (a scaled token stands for
-    512 / tokens_per_hash_id real ones), everything `trace_speedup` times faster."""
-    prefill = 32e-6 * 512 / settings.tokens_per_hash_id  # the H100 model's 32 µs per token, x 8
-    return EngineSettings(speedup=settings.trace_speedup, num_blocks=num_blocks, extra=[
-        "--prefill-secs-per-token", f"{prefill:g}", "--max-model-len", str(max_model_len)])
-
-
-def _compare_policies(policies: Sequence[str], engines: EngineSettings, send: Callable[[str], Any],
-                      first_tokens: int) -> list[PolicyResult]:
-    """Each policy on fresh processes (empty caches): `send(url)` is the load, run on uvloop."""
-    results: list[PolicyResult] = []
-    for policy in (policy for policy in POLICIES if policy.name in policies):
-        with started_stack(engine_settings=engines, variants=(policy.variant,),
-                           picker_flags=policy.picker_flags) as stack:
-            cpu_before = stack.picker_cpu_seconds() if stack.picker_pid else 0.0
-            outcomes, wall = run(send(stack.envoys[policy.variant].url))
-            picker_cpu = (stack.picker_cpu_seconds() - cpu_before) / len(outcomes) if stack.picker_pid else None
-            summary = summarise(outcomes)
-            beyond = sum(max(0, o.cached_tokens - first_tokens) for o in outcomes if o.ok)
-            result = PolicyResult(policy, summary, len(outcomes) / wall, wall,
-                                  beyond / summary.prompt_tokens if summary.prompt_tokens else 0.0, picker_cpu)
-            results.append(result)
-            progress(f"  {policy.name:<20} hit ratio {summary.hit_ratio:6.2%}  TTFT p50 "
-                     f"{_ms(summary.ttft_p50_ms)} p99 {_ms(summary.ttft_p99_ms)}  {result.requests_per_s:5.1f} req/s  "
-                     f"late max {summary.late_max_ms:.0f} ms  errors {summary.errors}"
-                     + (f" {summary.error_samples}" if summary.errors else ""))
-    return results
-
-
-def _engine_flags(engines: EngineSettings) -> list[str]:
-    return engines.extra + ["--speedup-ratio", str(engines.speedup), "--num-blocks", str(engines.num_blocks),
-                            "--block-size", str(BLOCK_SIZE)]
-
-
-def routing_quality(settings: Settings) -> dict[str, Any]:
-    records = gateway_trace.load_sample(settings.requests)
-    trace = gateway_trace.build(records, tokens_per_hash_id=settings.tokens_per_hash_id,
-                                max_tokens_cap=settings.max_tokens_cap, compression=settings.compression)
-    # The sample's longest prompt, scaled, is ~15k tokens.
-    engines = _trace_engines(settings, settings.trace_num_blocks, max_model_len=16384)
-    duration = trace.plan[-1].at if trace.plan else 0.0
-    progress(f"routing quality: {len(trace.plan)} Mooncake requests, {trace.prompt_tokens:,} prompt tokens, "
-             f"over {duration:.0f} s ({len(trace.plan) / max(duration, 1e-9):.1f} req/s), per policy")
-    results = _compare_policies(settings.policies, engines, lambda url: open_loop(url, trace.plan),
-                                settings.tokens_per_hash_id)
-    ideal, ideal_beyond = oracle_hits(trace.plan, settings.tokens_per_hash_id)
-    return {
-        "requests": len(trace.plan), "prompt_tokens": trace.prompt_tokens, "max_tokens": trace.max_tokens,
-        "offered_requests_per_s": len(trace.plan) / max(duration, 1e-9), "trace_span_s": trace.span_s,
-        "engine_flags": _engine_flags(engines),
-        "oracle_hit_ratio": ideal, "oracle_conversation_hit_ratio": ideal_beyond,
-        "policies": [result.as_dict() for result in results],
-    }
-
-
-def chat_quality(settings: Settings) -> dict[str, Any]:
-    """Part 1, second workload: multi-turn chat (bench/gateway_chat.py), each turn's prompt the
-    conversation so far; caches too small for one engine to hold every conversation."""
-    shape = settings.chat
-    plan = gateway_chat.build(shape)
-    planned = [turn.planned for turn in plan]
-    prompt_tokens = sum(len(orjson.loads(item.body)["prompt"]) for item in planned)
-    engines = _trace_engines(settings, settings.chat_num_blocks, max_model_len=8192)
-    system_blocks_tokens = shape.system_tokens // BLOCK_SIZE * BLOCK_SIZE  # what every engine soon caches
-    footprint = gateway_chat.footprint_blocks(shape, BLOCK_SIZE)
-    progress(f"multi-turn chat: {shape.conversations} conversations x {shape.turns} turns, {prompt_tokens:,} prompt "
-             f"tokens, {shape.rate:g} turns/s; {ENGINES} engines of {settings.chat_num_blocks} blocks, the "
-             f"conversations' last prompts fill {footprint} blocks; per policy")
-    results = _compare_policies(settings.chat_policies, engines,
-                                lambda url: gateway_chat.conversation_loop(url, plan), system_blocks_tokens)
-    ideal, ideal_beyond = oracle_hits(planned, system_blocks_tokens)
-    return {
-        **asdict(shape), "requests": len(plan), "prompt_tokens": prompt_tokens,
-        "offered_requests_per_s": shape.rate, "footprint_blocks": footprint,
-        "system_prompt_cached_tokens": system_blocks_tokens, "engine_flags": _engine_flags(engines),
-        "oracle_hit_ratio": ideal, "oracle_conversation_hit_ratio": ideal_beyond,
-        "policies": [result.as_dict() for result in results],
-    }
+        """Every path once, shortly: 200 trace requests and 12 chats of 3 turns at the base rate,
+        2-3 s windows."""
+        routing = RoutingSettings(rates=(1.0,), mooncake_requests=200,
+                                  chat=ChatShape(conversations=12, turns=3, system_tokens=64, min_gap=6))
+        return cls(routing=routing, latency_seconds=2.0, latency_rounds=1, throughput_seconds=3.0,
+                   bookkeeping_seconds=2.0, profile_seconds=3.0, quick=True)
 
 
 # --- part 2: the picker's cost ------------------------------------------------------------------
@@ -474,11 +291,11 @@ def run(coroutine: Any) -> Any:
 
 @contextlib.contextmanager
 def started_stack(*, engine_settings: EngineSettings, variants: tuple[str, ...], picker_flags: tuple[str, ...] = (),
-                  profile_path: Path | None = None, attempts: int = 3) -> Iterator[GatewayStack]:
+                  profile_path: Path | None = None, attempts: int = 3, engines: int = ENGINES) -> Iterator[GatewayStack]:
     """A stack up and ready; a start-up that fails (a port taken between its choice and its bind
     by another process on this shared machine) is tried again with other ports."""
     for attempt in range(1, attempts + 1):
-        kwargs: dict[str, Any] = {"engines": ENGINES, "engine_settings": engine_settings, "variants": variants,
+        kwargs: dict[str, Any] = {"engines": engines, "engine_settings": engine_settings, "variants": variants,
                                   "picker_flags": picker_flags}
         stack = _ProfiledStack(profile_path, **kwargs) if profile_path is not None else GatewayStack(**kwargs)
         try:
@@ -571,26 +388,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines: list[str] = []
     routing = results.get("routing")
     if routing:
-        lines += [
-            f"Routing quality: {routing['requests']} requests of the Mooncake conversation sample, "
-            f"{routing['offered_requests_per_s']:.1f} req/s offered, 4 engines "
-            f"(`{' '.join(routing['engine_flags'])}`).",
-            "",
-        ]
-        lines += _policy_table(routing, "hits past the first hash id")
-    chat = results.get("chat")
-    if chat:
-        lines += [""] if lines else []
-        lines += [
-            f"Multi-turn chat: {chat['conversations']} conversations x {chat['turns']} turns "
-            f"({chat['requests']} requests, {chat['prompt_tokens']:,} prompt tokens), each prompt the conversation "
-            f"so far: a {chat['system_tokens']}-token system prompt, {chat['user_tokens']}-token user messages, "
-            f"{chat['reply_tokens']}-token replies; {chat['rate']:g} turns/s, a turn only after its previous "
-            f"answer; 4 engines (`{' '.join(chat['engine_flags'])}`), the conversations' last prompts and "
-            f"answers fill {chat['footprint_blocks']} blocks.",
-            "",
-        ]
-        lines += _policy_table(chat, "hits past the system prompt", late=True)
+        lines += gateway_routing.markdown(routing)
     cost = results.get("picker_cost")
     if cost:
         latency = cost["latency"]
@@ -650,37 +448,6 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _policy_table(part: dict[str, Any], beyond: str, late: bool = False) -> list[str]:
-    """Part 1's table for one workload, and the picker against round robin."""
-    lines = [
-        f"| policy | prefix hit ratio | {beyond} | TTFT p50 | TTFT p99 | req/s | errors |"
-        + (" latest turn (after its slot) |" if late else ""),
-        "|---|---|---|---|---|---|---|" + ("---|" if late else ""),
-    ]
-    for row in part["policies"]:
-        lines.append(f"| {row['title']} | {row['hit_ratio']:.2%} | {row['conversation_hit_ratio']:.2%} | "
-                     f"{_ms(row['ttft_p50_ms'])} | {_ms(row['ttft_p99_ms'])} | {row['requests_per_s']:.1f} | "
-                     f"{row['errors']} |" + (f" {row['late_max_ms']:.0f} ms |" if late else ""))
-    lines.append(f"| *ideal (one endless cache)* | {part['oracle_hit_ratio']:.2%} | "
-                 f"{part['oracle_conversation_hit_ratio']:.2%} | | | | |" + (" |" if late else ""))
-    by_policy = {row["policy"]: row for row in part["policies"]}
-    plain = by_policy.get(ROUND_ROBIN)
-    if plain and plain["hit_ratio"]:
-        lines += ["", f"- Ideal ÷ round robin: hit ratio {part['oracle_hit_ratio'] / plain['hit_ratio']:.2f}x."]
-        for policy in (PICKER_DEFAULT, PICKER_CACHE_LEANING, PICKER_CACHE_SAMPLED):
-            picker = by_policy.get(policy.name)
-            if picker:
-                lines.append(f"- {policy.title} ÷ round robin: hit ratio {picker['hit_ratio'] / plain['hit_ratio']:.2f}x, "
-                             f"TTFT p50 {_ratio(picker['ttft_p50_ms'], plain['ttft_p50_ms'])}, p99 "
-                             f"{_ratio(picker['ttft_p99_ms'], plain['ttft_p99_ms'])}; the picker used "
-                             f"{1000 * picker['picker_cpu_s_per_request']:.1f} ms of CPU per request.")
-    return lines
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
-
-
 def _format_ends(ends: dict[str, int]) -> str:
     return ", ".join(f"{reason} {count}" for reason, count in sorted(ends.items())) or "-"
 
@@ -688,18 +455,29 @@ def _format_ends(ends: dict[str, int]) -> str:
 # --- the command ---------------------------------------------------------------------------------
 
 
-# The run's parts, in order: part 1's two workloads, then the picker's cost and its profile.
-PARTS = ("trace", "chat", "cost", "profile")
+# The run's parts, in order: routing quality, then the picker's cost and its profile.
+PARTS = ("routing", "cost", "profile")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run of every path: 100 trace requests, 12 chats of 3 turns, short windows "
-                             "(about 2-3 minutes)")
+                        help="smoke run of every path: 200 trace requests, 12 chats of 3 turns, base rate only, "
+                             "short windows")
+    parser.add_argument("--engines", type=int, default=None, help="engine stand-ins in the routing part (default 8)")
+    parser.add_argument("--workloads", nargs="+", choices=gateway_routing.WORKLOADS, default=None,
+                        help="the routing part's workloads (default: both)")
+    parser.add_argument("--rates", nargs="+", type=float, default=None, metavar="X",
+                        help="the routing part's rates, as multiples of each workload's base rate (default 1 2 3)")
+    parser.add_argument("--policies", nargs="+", choices=[p.name for p in gateway_routing.POLICIES], default=None,
+                        help="the routing part's policies (default: all four)")
+    parser.add_argument("--trace", default=None,
+                        help="the Mooncake conversation trace (default: ../shared/data/mooncake/conversation_trace.jsonl "
+                             "beside the checkout)")
     parser.add_argument("--requests", type=int, default=None,
-                        help="Mooncake requests replayed per policy (default 300, the whole sample; 100 with --quick)")
+                        help="Mooncake requests replayed per policy (default 2,000; 200 with --quick)")
+    parser.add_argument("--no-sim", action="store_true", help="do not run the simulator beside the real runs")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"where gateway.json and gateway.md go (default {DEFAULT_OUT.relative_to(BENCH_DIR.parent)}; "
                              "with --quick or --parts a temporary directory, as python -m bench does, so a smoke "
@@ -707,16 +485,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), metavar="PART",
                         help=f"what to run, of {', '.join(PARTS)} (default: all)")
     args = parser.parse_args(argv)
-    if args.requests is not None and not 1 <= args.requests <= 300:
-        parser.error("--requests must be in 1..300 (the bundled sample has 300)")
+    if args.requests is not None and args.requests < 1:
+        parser.error("--requests must be at least 1")
+    if args.engines is not None and args.engines < 2:
+        parser.error("--engines must be at least 2")
+    if args.rates is not None and any(not rate > 0 for rate in args.rates):
+        parser.error("--rates must be positive")
     return args
+
+
+def routing_settings(settings: Settings, args: argparse.Namespace) -> Settings:
+    changes: dict[str, Any] = {}
+    for flag, field_name in (("engines", "engines"), ("trace", "trace"), ("requests", "mooncake_requests")):
+        if getattr(args, flag) is not None:
+            changes[field_name] = getattr(args, flag)
+    for flag in ("workloads", "rates", "policies"):
+        if getattr(args, flag) is not None:
+            changes[flag] = tuple(getattr(args, flag))
+    if args.no_sim:
+        changes["simulate"] = False
+    return replace(settings, routing=replace(settings.routing, **changes)) if changes else settings
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    settings = Settings.quick_run() if args.quick else Settings()
-    if args.requests is not None:
-        settings = replace(settings, requests=args.requests)
+    settings = routing_settings(Settings.quick_run() if args.quick else Settings(), args)
     if (os.cpu_count() or 1) < 2:
         print(f"needs 2 CPUs (the picker on CPU {SERVER_CPU}, the rest on CPU {CLIENT_CPU})", file=sys.stderr)
         return 2
@@ -738,10 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     progress(f"gateway benchmark{' (quick)' if settings.quick else ''}; output in {args.out}")
     try:
-        if "trace" in args.parts:
-            results["routing"] = routing_quality(settings)
-        if "chat" in args.parts:
-            results["chat"] = chat_quality(settings)
+        if "routing" in args.parts:
+            results["routing"] = gateway_routing.routing(settings.routing, run, started_stack)
         if "cost" in args.parts:
             results["picker_cost"] = picker_cost(settings)
         if "profile" in args.parts:

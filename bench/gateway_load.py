@@ -41,6 +41,7 @@ class Outcome:
     completion_tokens: int = 0
     error: str | None = None
     late: float = 0.0  # open loop: how long after its scheduled time it was sent
+    token_gaps: tuple[float, ...] = ()  # seconds between consecutive chunks carrying generated text
 
     @property
     def ok(self) -> bool:
@@ -124,6 +125,8 @@ class Client:
             elif name == b"connection" and value == b"close":
                 keep_alive = False
         first_token: float | None = None
+        last_token = 0.0
+        gaps: list[float] = []
         parts: list[bytes] = []
         if chunked:
             while True:
@@ -132,8 +135,13 @@ class Client:
                     await reader.readuntil(b"\r\n")  # no trailers are expected: the final CRLF
                     break
                 data = (await reader.readexactly(size + 2))[:-2]
-                if first_token is None and b'"choices":[{' in data:
-                    first_token = time.perf_counter()
+                if b'"choices":[{' in data:
+                    now = time.perf_counter()
+                    if first_token is None:
+                        first_token = now
+                    else:
+                        gaps.append(now - last_token)
+                    last_token = now
                 parts.append(data)
         elif length:
             data = await reader.readexactly(length)
@@ -145,7 +153,8 @@ class Client:
         if status != 200:
             return Outcome(status, sent, None, ended, error=body[:200].decode("utf-8", "replace"), late=late), keep_alive
         prompt, cached, completion, error = _usage(body)
-        return Outcome(status, sent, first_token, ended, prompt, cached, completion, error, late), keep_alive
+        return Outcome(status, sent, first_token, ended, prompt, cached, completion, error, late,
+                       tuple(gaps)), keep_alive
 
 
 def _usage(body: bytes) -> tuple[int, int, int, str | None]:

@@ -31,11 +31,12 @@ from typing import Any
 
 import httpx
 import yaml
-from support import reference_server  # noqa: E402 - the test suite's process runner: plain Python, no pytest
 
 from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
 
-from .servers import CLIENT_CPU, SERVER_CPU  # importing bench.servers puts tests/ on sys.path
+# bench.servers puts tests/ on sys.path and imports the test suite's process runner (plain
+# Python, no pytest): take it from there, so no import order can break it.
+from .servers import CLIENT_CPU, SERVER_CPU, reference_server
 
 ROOT = Path(__file__).resolve().parent.parent
 FALLBACKS_CONFIG = ROOT / "deploy" / "envoy" / "envoy-fallbacks.yaml"

@@ -41,13 +41,13 @@ from .client import (
 )
 from .hashing import local_block_hashes, sequence_hashes, to_signed
 from .scheduling import (
-    AllBusy,
+    AllBusy,  # noqa: F401 - raised by select: importable from here, as it was
     BusyThresholds,
     NoWorkerAvailable,
     RankCost,
     RankInfo,
     RankKey,
-    RankLoad,
+    RankState,
     Scheduler,
     SchedulerConfig,
     SchedulingRequest,
@@ -89,6 +89,7 @@ class RouterConfig:
         self.busy_thresholds()  # validates them
 
     def busy_thresholds(self) -> BusyThresholds:
+        """The three thresholds, as the scheduling cycle's busy filter takes them."""
         return BusyThresholds(self.active_decode_blocks_threshold, self.active_prefill_tokens_threshold,
                               self.active_prefill_tokens_threshold_frac)
 
@@ -117,12 +118,12 @@ class RankReadings:
     tracker_error: ServiceCallError | None = None
     seconds: float = 0.0
 
-    def rank_loads(self, ranks: Sequence[RankKey] | None = None) -> list[RankLoad]:
+    def rank_loads(self, ranks: Sequence[RankKey] | None = None) -> list[RankState]:
         """The slot tracker's rows joined with the cached tokens, as the scheduler reads them;
         with `ranks`, only those (in the slot tracker's order)."""
         cached = self.cached
         wanted = None if ranks is None else set(ranks)
-        return [RankLoad(row.worker_id, row.dp_rank, cached.get((row.worker_id, row.dp_rank), 0),
+        return [RankState(row.worker_id, row.dp_rank, cached.get((row.worker_id, row.dp_rank), 0),
                          row.potential_prefill_tokens, row.potential_decode_blocks, row.active_requests)
                 for row in self.loads if wanted is None or (row.worker_id, row.dp_rank) in wanted]
 
@@ -406,7 +407,7 @@ class KvRouter:
         return bool(sources) and sources.get((decision.worker_id, decision.dp_rank)) != "events"
 
 
-__all__ = [
-    "AllBusy", "DEFAULT_SOURCES_REFRESH_SECS", "Decision", "KvRouter", "NoWorkerAvailable", "RankCost", "RankReadings",
-    "RequestHandle", "RouterConfig", "read_ranks",
-]
+# NoWorkerAvailable, AllBusy and RankCost, which `select` raises and returns, are importable from
+# here too; they are `dynamo_lite.scheduling`'s, and listed there.
+__all__ = ["DEFAULT_SOURCES_REFRESH_SECS", "Decision", "KvRouter", "RankReadings", "RequestHandle", "RouterConfig",
+           "read_ranks"]

@@ -12,7 +12,7 @@ import pytest
 
 from dynamo_lite.client import ConnectError, ServiceStatusError
 from dynamo_lite.routing import NoWorkerAvailable, RouterConfig
-from dynamo_lite.scheduling import AllBusy, RankCost, RankLoad, Scheduler, SchedulingRequest, Selection
+from dynamo_lite.scheduling import AllBusy, RankCost, RankState, Scheduler, SchedulingRequest, Selection
 from dynamo_lite.scheduling.parts import pick_softmax
 
 BLOCK = 16
@@ -22,7 +22,7 @@ def schedule(rows: list[tuple[int, int, int, int]], cached: dict[tuple[int, int]
              config: RouterConfig = RouterConfig(), seed: int = 0) -> Selection:
     """(worker, rank, active prefill tokens, potential decode blocks) rows, as /potential_loads
     answers them for new_isl_tokens=0, scored with Dynamo's cost."""
-    loads = [RankLoad(w, r, cached.get((w, r), 0), prefill, decode, 0) for w, r, prefill, decode in rows]
+    loads = [RankState(w, r, cached.get((w, r), 0), prefill, decode, 0) for w, r, prefill, decode in rows]
     return Scheduler(config.scheduler_config(), seed=seed).schedule(SchedulingRequest(isl, BLOCK), loads)
 
 

@@ -15,7 +15,7 @@ from dynamo_lite.scheduling import (
     BusyThresholds,
     NoWorkerAvailable,
     RankInfo,
-    RankLoad,
+    RankState,
     Scheduler,
     SchedulerConfigError,
     SchedulingRequest,
@@ -41,7 +41,7 @@ TIMING = TimingModel(prefill_secs_per_token=1e-4, decode_step_secs=4e-3, decode_
 
 def view(*, cached: int = 0, isl: int = 320, queued: int = 0, running: int = 0, decode: int = 20,
          turnover: float = 0.0, budget: int = 8192, capacity: int | None = None) -> RankView:
-    load = RankLoad(1, 0, cached, queued, decode, running)
+    load = RankState(1, 0, cached, queued, decode, running)
     return RankView(load, RankInfo(1, 0, capacity, budget), TIMING, cached, isl - cached, queued + isl - cached, BLOCK,
                     turnover)
 
@@ -177,9 +177,9 @@ def test_sessions_expire_and_the_oldest_go_first() -> None:
 # --- the cycle ----------------------------------------------------------------------------------------
 
 
-def loads(*rows: tuple[int, int, int, int]) -> list[RankLoad]:
+def loads(*rows: tuple[int, int, int, int]) -> list[RankState]:
     """(worker, cached tokens, active prefill tokens, active requests) per rank."""
-    return [RankLoad(worker, 0, cached, prefill, 10 + requests, requests) for worker, cached, prefill, requests in rows]
+    return [RankState(worker, 0, cached, prefill, 10 + requests, requests) for worker, cached, prefill, requests in rows]
 
 
 def scheduler(**changes: object) -> Scheduler:
@@ -193,7 +193,7 @@ def test_a_continuation_stays_where_its_prompt_is_cached_despite_a_running_batch
     assert selection.chosen.worker_id == 1
     assert selection.chosen.predicted_ttft_secs == pytest.approx(160 * 1e-4 + (4e-3 + 2 * 1e-4))
     dynamo = Scheduler(dynamo_config(), seed=0).schedule(
-        SchedulingRequest(1600, BLOCK), [RankLoad(1, 0, 1440, 0, 200, 3), RankLoad(2, 0, 0, 0, 100, 0)])
+        SchedulingRequest(1600, BLOCK), [RankState(1, 0, 1440, 0, 200, 3), RankState(2, 0, 0, 0, 100, 0)])
     assert dynamo.chosen.worker_id == 2
 
 
@@ -206,7 +206,7 @@ def test_new_conversations_spread_over_the_fleet_instead_of_herding_on_the_share
         # saves 64 tokens there. Without the cache pressure it would go there every time.
         served = set(picks)
         request = SchedulingRequest(160, BLOCK, session_id=f"c{conversation}")
-        rows = [RankLoad(w, 0, 64 if w in served else 0, 0, 10, 1 if w in served else 0) for w in range(1, 5)]
+        rows = [RankState(w, 0, 64 if w in served else 0, 0, 10, 1 if w in served else 0) for w in range(1, 5)]
         selection = cycle.schedule(request, rows, infos)
         cycle.booked(selection, request, infos)
         picks.append(selection.chosen.worker_id)
@@ -236,17 +236,17 @@ def test_the_session_s_rank_is_believed_to_cache_its_prompt_until_the_indexer_kn
 def test_a_rank_over_its_kv_capacity_is_only_a_last_resort() -> None:
     cycle = scheduler()
     infos = {(1, 0): RankInfo(1, 0, 100), (2, 0): RankInfo(2, 0, 100)}
-    rows = [RankLoad(1, 0, 800, 0, 101, 1), RankLoad(2, 0, 0, 0, 60, 1)]
+    rows = [RankState(1, 0, 800, 0, 101, 1), RankState(2, 0, 0, 0, 60, 1)]
     selection = cycle.schedule(SchedulingRequest(800, BLOCK), rows, infos)
     assert selection.chosen.worker_id == 2
     assert [c.filtered for c in selection.costs] == ["kv_capacity", None]
-    over = [RankLoad(1, 0, 800, 0, 101, 1), RankLoad(2, 0, 0, 0, 150, 1)]
+    over = [RankState(1, 0, 800, 0, 101, 1), RankState(2, 0, 0, 0, 150, 1)]
     assert cycle.schedule(SchedulingRequest(800, BLOCK), over, infos).chosen.worker_id == 1
 
 
 def test_saturated_and_busy_ranks_are_filtered_and_all_of_them_raise_all_busy() -> None:
     cycle = Scheduler(ttft_config(busy=BusyThresholds(active_decode_blocks_threshold=50)), saturation_threshold=1.0)
-    rows = [RankLoad(1, 0, 0, 9000, 10, 1), RankLoad(2, 0, 0, 0, 60, 1), RankLoad(3, 0, 0, 0, 10, 1)]
+    rows = [RankState(1, 0, 0, 9000, 10, 1), RankState(2, 0, 0, 0, 60, 1), RankState(3, 0, 0, 0, 10, 1)]
     selection = cycle.schedule(SchedulingRequest(100, BLOCK), rows)
     assert [c.filtered for c in selection.costs] == ["saturated", "busy", None]
     with pytest.raises(AllBusy, match="busy or saturated"):
@@ -257,14 +257,26 @@ def test_saturated_and_busy_ranks_are_filtered_and_all_of_them_raise_all_busy() 
 
 def test_learning_from_first_tokens_moves_a_slow_engine_s_requests_elsewhere() -> None:
     cycle = scheduler()
-    request = SchedulingRequest(2000, BLOCK)
-    for _ in range(60):  # engine 2 prefills 5x slower than the prior says
+    rng = random.Random(3)
+    for _ in range(60):  # engine 2 prefills 5x slower than engine 1, which is as the prior says
         for worker, factor in ((1, 1.0), (2, 5.0)):
+            request = SchedulingRequest(rng.randrange(200, 4000), BLOCK)
             selection = cycle.schedule(request, loads((worker, 0, 0, 0)))
-            cycle.first_token(selection.chosen, factor * 2000 * TIMING.prefill_secs_per_token)
-    assert cycle.rates.timing((2, 0)).prefill_secs_per_token == pytest.approx(5e-4, rel=0.1)
+            cycle.first_token(selection.chosen, factor * request.isl_tokens * TIMING.prefill_secs_per_token)
+    fast, slow = (cycle.rates.timing((w, 0)).prefill_secs_per_token for w in (1, 2))
+    assert 3.5 < slow / fast < 5.5
+    # The fleet's own fit is their geometric mean: the prior's speed times sqrt(5).
+    assert cycle.rates.fleet_timing().prefill_secs_per_token == pytest.approx(math.sqrt(5) * 1e-4, rel=0.15)
     # Now a request that has 500 tokens cached on the slow engine still goes to the fast one.
+    request = SchedulingRequest(2000, BLOCK)
     assert cycle.schedule(request, loads((1, 0, 0, 0), (2, 500, 0, 0))).chosen.worker_id == 1
+
+
+def test_observations_behind_a_queue_teach_nothing() -> None:
+    cycle = scheduler()
+    selection = cycle.schedule(SchedulingRequest(1000, BLOCK), loads((1, 0, 4000, 0)))
+    cycle.first_token(selection.chosen, 10.0)  # behind 4,000 queued tokens: batching blurs it
+    assert cycle.rates.speed((1, 0)) is None and cycle.rates.fleet.observations == 0
 
 
 # --- properties --------------------------------------------------------------------------------------
@@ -283,7 +295,7 @@ def test_any_input_ends_in_a_pick_among_open_ranks_or_a_clear_error(
         saturation: float | None, capacity: int | None, writes: list[int], seed: int) -> None:
     cycle = Scheduler(ttft_config(temperature=temperature, busy=BusyThresholds(decode_threshold)), seed=seed,
                       saturation_threshold=saturation)
-    loads_ = [RankLoad(w, 0, cached, prefill, decode, requests)
+    loads_ = [RankState(w, 0, cached, prefill, decode, requests)
               for w, (cached, prefill, decode, requests) in enumerate(rows)]
     infos = {(w, 0): RankInfo(w, 0, capacity) for w in range(len(rows))}
     for worker in writes:  # history: some ranks took more of the recent writes
@@ -317,8 +329,8 @@ def test_an_idle_rank_is_chosen_unless_another_s_cache_makes_it_cheaper_in_predi
     """With one engine idle and the others loaded (prefill queued, requests running), the idle one
     is chosen unless some other one's cache makes it cheaper in predicted time."""
     cycle = scheduler()
-    rows = [RankLoad(0, 0, idle_cached, 0, 10, 0)]
-    rows += [RankLoad(w + 1, 0, cached, prefill, 10 + requests, requests) for w, (cached, prefill, requests) in enumerate(busy)]
+    rows = [RankState(0, 0, idle_cached, 0, 10, 0)]
+    rows += [RankState(w + 1, 0, cached, prefill, 10 + requests, requests) for w, (cached, prefill, requests) in enumerate(busy)]
     selection = cycle.schedule(SchedulingRequest(isl, BLOCK), rows)
     idle = next(c for c in selection.costs if c.worker_id == 0)
     chosen = selection.chosen
@@ -328,7 +340,7 @@ def test_an_idle_rank_is_chosen_unless_another_s_cache_makes_it_cheaper_in_predi
         assert chosen.cached_tokens > min(idle_cached, isl)
 
 
-def dynamo_formula(rows: list[RankLoad], isl: int, weight: float,
+def dynamo_formula(rows: list[RankState], isl: int, weight: float,
                    decode_threshold: int | None, prefill_threshold: int | None) -> tuple[set[int], set[int]]:
     """Dynamo 1.6.1's KV router, written out from the router guide: (busy ranks, cheapest ranks)."""
     busy = {r.worker_id for r in rows
@@ -347,7 +359,7 @@ def dynamo_formula(rows: list[RankLoad], isl: int, weight: float,
 def test_cost_dynamo_picks_what_dynamo_s_formula_picks(rows: list[tuple[int, int, int, int]], isl: int, weight: float,
                                                      decode_threshold: int | None, prefill_threshold: int | None,
                                                      seed: int) -> None:
-    loads_ = [RankLoad(w, 0, cached, prefill, decode, requests) for w, (cached, prefill, decode, requests) in enumerate(rows)]
+    loads_ = [RankState(w, 0, cached, prefill, decode, requests) for w, (cached, prefill, decode, requests) in enumerate(rows)]
     busy, cheapest = dynamo_formula(loads_, isl, weight, decode_threshold, prefill_threshold)
     cycle = Scheduler(dynamo_config(weight, busy=BusyThresholds(decode_threshold, prefill_threshold)), seed=seed)
     if len(busy) == len(rows):
@@ -357,3 +369,28 @@ def test_cost_dynamo_picks_what_dynamo_s_formula_picks(rows: list[tuple[int, int
     selection = cycle.schedule(SchedulingRequest(isl, BLOCK), loads_)
     assert {c.worker_id for c in selection.costs if c.busy} == busy
     assert selection.chosen.worker_id in cheapest
+
+
+def test_the_worked_example_of_docs_routing_md() -> None:
+    """docs/routing.md's table, computed by the cycle: the benchmark's engines, a conversation's
+    10th turn on engine A (1,440 of 1,600 tokens cached, 3 running, 20 % of the recent writes)
+    against idle engine B (nothing cached, 5 % of the writes), 8 ranks of 512 blocks."""
+    timing = TimingModel(2.56e-4, 6.8e-3, 0.06e-3).scaled(2.0)
+    cycle = Scheduler(ttft_config(timing=timing, learn_rates=False), seed=0)
+    infos = {(w, 0): RankInfo(w, 0, 512) for w in range(8)}
+    for _ in range(200):  # many full windows written, in these shares
+        for worker, share in enumerate((0.20, 0.05, 0.15, 0.15, 0.15, 0.10, 0.10, 0.10)):
+            cycle.writes.add((worker, 0), share * 100, 8 * 512)
+    others = [RankState(w, 0, 0, 0, 200, 0) for w in range(2, 8)]
+    rows = [RankState(0, 0, 1440, 0, 400, 3), RankState(1, 0, 0, 0, 200, 0), *others]
+    costs = {c.worker_id: c for c in cycle.schedule(SchedulingRequest(1600, BLOCK), rows, infos).costs}
+    turnover = lambda share: (share + 0.02 / 8) / (1 + 0.02) * 8  # noqa: E731 - the 2 % prior of the window
+    assert dict(costs[0].terms) == pytest.approx({"prefill_time": 0.02048, "decode_interference": 0.00346,
+                                                  "cache_pressure": 0.02048 * turnover(0.20)}, rel=2e-2)
+    assert costs[0].cost == pytest.approx(0.0567, abs=0.001)
+    assert costs[1].cost == pytest.approx(0.2048 * (1 + turnover(0.05)), rel=2e-2)
+    assert costs[1].cost == pytest.approx(0.2867, abs=0.003)
+    new = {c.worker_id: c.cost for c in cycle.schedule(SchedulingRequest(160, BLOCK),
+                                                      [RankState(0, 0, 64, 0, 310, 3), RankState(1, 0, 0, 0, 10, 0),
+                                                       *others], infos).costs}
+    assert new[0] == pytest.approx(0.0354, abs=0.001) and new[1] == pytest.approx(0.0287, abs=0.001)

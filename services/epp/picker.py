@@ -47,7 +47,7 @@ from dynamo_lite.scheduling import (
     RankCost,
     RankInfo,
     RankKey,
-    RankLoad,
+    RankState,
     Scheduler,
     SchedulerConfig,
     SchedulingRequest,
@@ -172,18 +172,17 @@ class KvPicker:
         scheduler has learned."""
         scheduler = self.scheduler
         config = scheduler.config
-        known = scheduler.rates.known()
         ranks = []
         for endpoint in self.pool:
             key = endpoint.rank_key
             timing = scheduler.rates.timing(key)
-            estimate = known.get(key)
+            speed = scheduler.rates.speed(key)
             ranks.append({
                 "address": endpoint.address, "worker_id": endpoint.worker_id, "dp_rank": endpoint.dp_rank,
                 "kv_capacity_blocks": endpoint.total_kv_blocks or scheduler.capacities.get(key),
                 "prefill_secs_per_token": timing.prefill_secs_per_token, "decode_step_secs": timing.decode_step_secs,
-                "overhead_secs": estimate.overhead_secs if estimate is not None else 0.0,
-                "ttft_observations": estimate.observations if estimate is not None else 0,
+                "speed_factor": scheduler.rates.factor(key),
+                "ttft_observations": speed.observations if speed is not None else 0,
                 "recent_write_blocks": scheduler.writes.written(key),
             })
         return {
@@ -194,6 +193,7 @@ class KvPicker:
                        "kv_capacity_filter": config.kv_capacity_filter, "session_ttl_secs": config.session_ttl_secs,
                        "learn_rates": config.learn_rates, "saturation_threshold": scheduler.saturation_threshold},
             "sessions": len(scheduler.sessions),
+            "overhead_secs": scheduler.rates.fleet.overhead_secs,
             "ranks": ranks,
         }
 
@@ -335,7 +335,7 @@ class KvPicker:
         return True
 
     def _read_loads(self, readings: RankReadings, candidates: list[PoolEndpoint],
-                    prompt_blocks: int) -> tuple[list[RankLoad], bool]:
+                    prompt_blocks: int) -> tuple[list[RankState], bool]:
         """The candidates' loads: the slot tracker's rows for the ranks it lists; when it failed,
         or lists none of them (not registered there yet: its 404), this picker's own counts, and
         nothing is booked on the slot tracker."""
@@ -349,9 +349,9 @@ class KvPicker:
                 return loads, True
         return [self._own_load(endpoint, prompt_blocks, cached.get(endpoint.rank_key, 0)) for endpoint in candidates], False
 
-    def _own_load(self, endpoint: PoolEndpoint, prompt_blocks: int, cached_tokens: int) -> RankLoad:
+    def _own_load(self, endpoint: PoolEndpoint, prompt_blocks: int, cached_tokens: int) -> RankState:
         count = self.in_flight.get(endpoint.rank_key)
-        return RankLoad(endpoint.worker_id, endpoint.dp_rank, cached_tokens, count.prefill_tokens,
+        return RankState(endpoint.worker_id, endpoint.dp_rank, cached_tokens, count.prefill_tokens,
                         count.decode_blocks + prompt_blocks, count.requests)
 
     # --- the queue ---------------------------------------------------------------------------

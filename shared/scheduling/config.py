@@ -40,6 +40,7 @@ from .parts import SCORERS, BusyThresholds
 DEFAULT_SESSION_TTL_SECS = 300.0
 DEFAULT_SESSION_MAX_ENTRIES = 100_000
 COSTS = ("ttft", "dynamo")
+"""The presets `--cost` names: the default cost in predicted time, and Dynamo's in blocks."""
 
 
 class SchedulerConfigError(ValueError):
@@ -89,6 +90,7 @@ class SchedulerConfig:
 
     @property
     def weights(self) -> dict[str, float]:
+        """Each scorer's weight by name."""
         return dict(self.scorers)
 
     @property
@@ -98,6 +100,7 @@ class SchedulerConfig:
 
     @property
     def predicts_time(self) -> bool:
+        """Whether the cost is in seconds (every weighted scorer predicts time)."""
         return all(SCORERS[name][1] == "seconds" for name, weight in self.scorers if weight)
 
     def describe(self) -> str:
@@ -132,6 +135,7 @@ def dynamo_config(overlap_score_weight: float = 1.0, temperature: float = 0.0,
 
 
 def preset(cost: str) -> SchedulerConfig:
+    """The configuration `--cost` names (`COSTS`); SchedulerConfigError for another name."""
     if cost == "ttft":
         return ttft_config()
     if cost == "dynamo":

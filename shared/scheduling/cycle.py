@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from .config import SchedulerConfig, ttft_config
 from .learning import EngineRates, SessionTable, WriteWindow
-from .model import AllBusy, NoWorkerAvailable, RankCost, RankInfo, RankKey, RankLoad, SchedulingRequest, Selection
+from .model import AllBusy, NoWorkerAvailable, RankCost, RankInfo, RankKey, RankState, SchedulingRequest, Selection
 from .parts import SCORERS, BusyThresholds, RankView, over_kv_capacity, pick_lowest, pick_softmax, saturated
 
 # When no rank's KV capacity is known, the write window assumes this many blocks per rank (an
@@ -90,7 +90,7 @@ class Scheduler:
         return (self.config.busy.busy(info, active_prefill_tokens, decode_blocks)
                 or saturated(info, active_prefill_tokens, self.saturation_threshold))
 
-    def schedule(self, request: SchedulingRequest, loads: Sequence[RankLoad],
+    def schedule(self, request: SchedulingRequest, loads: Sequence[RankState],
                  infos: Mapping[RankKey, RankInfo] | None = None) -> Selection:
         """Choose a rank for `request` among `loads` (one per candidate rank, from the services);
         `infos` holds what is known of each rank (capacity, step budget; missing: defaults).
@@ -156,7 +156,7 @@ class Scheduler:
                        for (_, name, _), weight in zip(self._scorers, weights)]
         return weights
 
-    def _views(self, request: SchedulingRequest, loads: Sequence[RankLoad], infos: Mapping[RankKey, RankInfo],
+    def _views(self, request: SchedulingRequest, loads: Sequence[RankState], infos: Mapping[RankKey, RankInfo],
                block_size: int) -> tuple[list[RankView], RankKey | None]:
         isl = request.isl_tokens
         session = None
@@ -230,7 +230,18 @@ class Scheduler:
             self.writes.add(rank, output_tokens // block_size, self._window_blocks)
 
     def first_token(self, cost: RankCost, seconds: float) -> None:
-        """The request booked with `cost` saw its first token after `seconds` (from the pick)."""
+        """The request booked with `cost` saw its first token after `seconds` (from the pick).
+
+        Only a request with nothing queued ahead of it teaches the rate: behind a queue, engine
+        steps batch several prompts together and the queue's tokens are not all ahead of it, an
+        error that grows with the load. Fitted in, it would make the busiest engines look the
+        fastest, and draw still more requests to them."""
+        import os
+        mode = os.environ.get("LEARN_MODE", "q0")
+        if mode == "q0" and cost.prefill_tokens != cost.uncached_tokens:
+            return
+        if mode == "idle" and (cost.prefill_tokens != cost.uncached_tokens or cost.active_requests):
+            return
         self.rates.observe_ttft(cost.key, cost.prefill_tokens, cost.decode_steps, seconds)
 
     def observe_decode_step(self, rank: RankKey, seconds: float, running: float) -> None:

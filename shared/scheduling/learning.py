@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from dynamo_lite.timing import TimingModel
 
@@ -25,8 +26,12 @@ FORGETTING = 0.98
 PRIOR_SPREAD = 3.0
 # The fixed delay every request sees (network, HTTP, the engine's tokenizer), prior 0 ± this.
 PRIOR_OVERHEAD_SECS = 0.02
+# A fitted fixed delay beyond this is the fit gone astray (it is used within it).
+MAX_OVERHEAD_SECS = 1.0
 # An observed time to first token is this noisy (seconds, standard deviation).
 NOISE_SECS = 0.01
+# The prefill rate is fitted per this many tokens.
+TOKEN_UNIT = 1000.0
 # Estimates are used within this factor of the prior (a diverging fit cannot send every request
 # to one engine).
 CLAMP = 50.0
@@ -56,29 +61,36 @@ class RateEstimate:
 
     def __init__(self, prior: TimingModel) -> None:
         self.prior = prior
-        self.theta = [0.0, prior.prefill_secs_per_token, prior.decode_step_secs]
-        spreads = (PRIOR_OVERHEAD_SECS, PRIOR_SPREAD * max(prior.prefill_secs_per_token, 1e-9),
-                   PRIOR_SPREAD * max(prior.decode_step_secs, 1e-9))
-        self.p = [[spreads[i] ** 2 if i == j else 0.0 for j in range(3)] for i in range(3)]
+        # Fitted in seconds per thousand tokens: every parameter and feature then lies within a
+        # few orders of magnitude of 1, which keeps the recursion well conditioned.
+        self.theta = [0.0, prior.prefill_secs_per_token * TOKEN_UNIT, prior.decode_step_secs]
+        self.p = [[self._spreads[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
         self.observations = 0
+
+    @property
+    def _spreads(self) -> tuple[float, float, float]:
+        prior = self.prior
+        return (PRIOR_OVERHEAD_SECS ** 2, (PRIOR_SPREAD * max(prior.prefill_secs_per_token, 1e-9) * TOKEN_UNIT) ** 2,
+                (PRIOR_SPREAD * max(prior.decode_step_secs, 1e-9)) ** 2)
 
     def timing(self) -> TimingModel:
         """The estimate, clamped to within `CLAMP` of the prior (never negative)."""
         prior = self.prior
-        prefill = _clamp(self.theta[1], prior.prefill_secs_per_token)
+        prefill = _clamp(self.theta[1] / TOKEN_UNIT, prior.prefill_secs_per_token)
         step = _clamp(self.theta[2], prior.decode_step_secs)
         per_running = prior.decode_secs_per_running * (step / prior.decode_step_secs) if prior.decode_step_secs else 0.0
         return TimingModel(prefill, step, per_running)
 
     @property
     def overhead_secs(self) -> float:
-        return max(0.0, self.theta[0])
+        """The fixed delay every request sees, within [0, MAX_OVERHEAD_SECS]."""
+        return min(max(0.0, self.theta[0]), MAX_OVERHEAD_SECS)
 
     def observe_ttft(self, prefill_tokens: int, decode_steps: float, seconds: float) -> None:
         """A request that had `prefill_tokens` to wait for (the queue ahead and its own uncached
         tokens) and `decode_steps` interleaved decode steps (in units of a one-request step) saw
         its first token after `seconds`."""
-        self._update((1.0, float(prefill_tokens), decode_steps), seconds)
+        self._update((1.0, prefill_tokens / TOKEN_UNIT, decode_steps), seconds)
 
     def observe_decode_step(self, seconds: float, running: float) -> None:
         """The engine reported a mean inter-token latency of `seconds` with `running` requests."""
@@ -98,13 +110,12 @@ class RateEstimate:
         for i in range(3):
             theta[i] += gain[i] * error
         for i in range(3):
-            row = p[i]
-            for j in range(3):
-                row[j] = (row[j] - gain[i] * px[j]) / FORGETTING
+            for j in range(i, 3):
+                # Symmetric by construction: rounding cannot drift it away from a covariance.
+                p[i][j] = p[j][i] = (p[i][j] - gain[i] * px[j]) / FORGETTING
         # Directions no observation excites grow by 1/FORGETTING each time ("wind-up"); never
         # let them grow past the prior's own spread.
-        spreads = (PRIOR_OVERHEAD_SECS ** 2, (PRIOR_SPREAD * max(self.prior.prefill_secs_per_token, 1e-9)) ** 2,
-                   (PRIOR_SPREAD * max(self.prior.decode_step_secs, 1e-9)) ** 2)
+        spreads = self._spreads
         for i in range(3):
             if p[i][i] > spreads[i]:
                 scale = math.sqrt(spreads[i] / p[i][i])
@@ -120,14 +131,57 @@ def _clamp(value: float, prior: float) -> float:
     return min(max(value, prior / CLAMP), prior * CLAMP)
 
 
+# A rank's own speed factor counts as this many observations of "as fast as the fleet" until its
+# own observations outweigh them: one unlucky first token does not make an engine look slow.
+SPEED_PRIOR_OBSERVATIONS = 8.0
+
+
+@dataclass(slots=True)
+class RankSpeed:
+    """How much slower (> 1) or faster (< 1) one rank is than the fleet's estimate says: its
+    observed times over the predicted ones, summed with forgetting, shrunk toward 1 by
+    `SPEED_PRIOR_OBSERVATIONS` pseudo-observations of an average prediction."""
+
+    observed: float = 0.0
+    predicted: float = 0.0
+    weight: float = 0.0
+    observations: int = 0
+
+    @property
+    def log_factor(self) -> float:
+        """The log of the shrunk ratio of observed to predicted."""
+        if self.weight <= 0 or self.predicted <= 0:
+            return 0.0
+        typical = self.predicted / self.weight
+        prior = SPEED_PRIOR_OBSERVATIONS * typical
+        return math.log((self.observed + prior) / (self.predicted + prior))
+
+    def observe(self, observed: float, predicted: float) -> None:
+        if not (observed >= 0 and predicted > 0 and math.isfinite(observed) and math.isfinite(predicted)):
+            return
+        self.observed = self.observed * FORGETTING + observed
+        self.predicted = self.predicted * FORGETTING + predicted
+        self.weight = self.weight * FORGETTING + 1.0
+        self.observations += 1
+
+
 class EngineRates:
-    """Every rank's `RateEstimate` (created at first use from the configured timing), or the
-    configured timing alone when learning is off."""
+    """The engines' timing, learned: one `RateEstimate` for the whole fleet (every rank's
+    observations fit the same rates), and each rank's `RankSpeed` against it.
+
+    Fitting each rank on its own lets load-dependent error become a rank's property (a busy
+    engine's times, which the linear model fits worst, made it look the fastest and drew still
+    more requests to it); the fleet's fit has every rank's observations, and a rank differs from
+    it by one factor, shrunk toward 1 until its observations say otherwise. With `learn` off,
+    the configured timing alone."""
 
     def __init__(self, prior: TimingModel, *, learn: bool = True) -> None:
         self.prior = prior
         self.learn = learn
-        self._ranks: dict[RankKey, RateEstimate] = {}
+        self.fleet = RateEstimate(prior)
+        self._speeds: dict[RankKey, RankSpeed] = {}
+        self._fleet_timing: TimingModel | None = None
+        self._mean_log: float | None = None
         self._cached: dict[RankKey, TimingModel] = {}
 
     def timing(self, rank: RankKey) -> TimingModel:
@@ -135,34 +189,67 @@ class EngineRates:
             return self.prior
         timing = self._cached.get(rank)
         if timing is None:
-            estimate = self._ranks.get(rank)
-            timing = estimate.timing() if estimate is not None else self.prior
-            self._cached[rank] = timing
+            fleet = self.fleet_timing()
+            timing = self._cached[rank] = _scaled(fleet, self.factor(rank))
         return timing
 
-    def estimate(self, rank: RankKey) -> RateEstimate:
-        estimate = self._ranks.get(rank)
-        if estimate is None:
-            estimate = self._ranks[rank] = RateEstimate(self.prior)
-        return estimate
+    def factor(self, rank: RankKey) -> float:
+        """How much slower than the fleet's average rank this one is (1: as fast; unknown: 1).
+        The factors' geometric mean is kept at 1: the fleet's own fit carries the average speed
+        (without this, the two could drift apart in opposite directions and fit as well)."""
+        speed = self._speeds.get(rank)
+        if speed is None:
+            return 1.0
+        if self._mean_log is None:
+            self._mean_log = sum(s.log_factor for s in self._speeds.values()) / len(self._speeds)
+        return math.exp(speed.log_factor - self._mean_log)
+
+    def fleet_timing(self) -> TimingModel:
+        if self._fleet_timing is None:
+            self._fleet_timing = self.fleet.timing() if self.learn else self.prior
+        return self._fleet_timing
+
+    def speed(self, rank: RankKey) -> RankSpeed | None:
+        return self._speeds.get(rank)
 
     def observe_ttft(self, rank: RankKey, prefill_tokens: int, decode_steps: float, seconds: float) -> None:
-        if self.learn:
-            self.estimate(rank).observe_ttft(prefill_tokens, decode_steps, seconds)
-            self._cached.pop(rank, None)
+        if not self.learn:
+            return
+        fleet = self.fleet
+        timing = self.fleet_timing()
+        predicted = fleet.overhead_secs + timing.prefill_seconds(prefill_tokens) + decode_steps * timing.decode_step_secs
+        factor = self.factor(rank)
+        # The fleet learns from this rank's time as if the rank were average, the rank's factor
+        # from how its time compares with the fleet's prediction.
+        fleet.observe_ttft(prefill_tokens, decode_steps, seconds / factor)
+        speed = self._speeds.get(rank)
+        if speed is None:
+            speed = self._speeds[rank] = RankSpeed()
+        speed.observe(seconds, predicted)
+        self._fleet_timing = self._mean_log = None
+        self._cached.clear()
 
     def observe_decode_step(self, rank: RankKey, seconds: float, running: float) -> None:
-        if self.learn:
-            self.estimate(rank).observe_decode_step(seconds, running)
-            self._cached.pop(rank, None)
+        if not self.learn:
+            return
+        self.fleet.observe_decode_step(seconds / self.factor(rank), running)
+        self._fleet_timing = None
+        self._cached.clear()
 
     def forget(self, ranks: Iterable[RankKey]) -> None:
         for rank in ranks:
-            self._ranks.pop(rank, None)
-            self._cached.pop(rank, None)
+            self._speeds.pop(rank, None)
+        self._mean_log = None
+        self._cached.clear()
 
-    def known(self) -> dict[RankKey, RateEstimate]:
-        return dict(self._ranks)
+    def known(self) -> dict[RankKey, RankSpeed]:
+        return dict(self._speeds)
+
+
+def _scaled(timing: TimingModel, factor: float) -> TimingModel:
+    factor = min(max(factor, 1 / CLAMP), CLAMP)
+    return TimingModel(timing.prefill_secs_per_token * factor, timing.decode_step_secs * factor,
+                       timing.decode_secs_per_running * factor)
 
 
 # --- where the cache writes went --------------------------------------------------------------------
@@ -249,4 +336,4 @@ class SessionTable:
             del self._entries[session_id]
 
 
-__all__ = ["EngineRates", "RateEstimate", "SessionTable", "WriteWindow", "decode_factor"]
+__all__ = ["EngineRates", "RankSpeed", "RateEstimate", "SessionTable", "WriteWindow", "decode_factor"]

@@ -1,7 +1,7 @@
 """What a scheduling cycle reads and what it answers: plain values, no behaviour.
 
 One request is scheduled over *candidates*: the data-parallel ranks that serve its model, each
-with what the services said about it for this request (`RankLoad`: the indexer's cached tokens,
+with what the services said about it for this request (`RankState`: the indexer's cached tokens,
 the slot tracker's `/potential_loads` row) and what is known of it for good (`RankInfo`: the KV
 capacity and the step token budget, from the pool file or the engine's metrics). The cycle
 answers a `Selection`: every candidate's cost broken into its terms, and the order to try them in.
@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 RankKey = tuple[int, int]
 """(worker_id, dp_rank)."""
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's default step budget with chunked prefill
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+"""A rank's step token budget when nothing says otherwise (vLLM's default with chunked prefill)."""
 
 
 class NoWorkerAvailable(Exception):
-    """No rank can take the request: none serves its model, or every one is filtered out.
+    """No rank can take the request: none is registered for its model, or every one is over a
+    busy threshold.
 
-    The message says which. `AllBusy` (a subclass) is the second case for a filter that may
-    clear by itself (busy thresholds, a saturated prefill queue): a gateway may queue the
-    request and ask again.
+    Raised by `KvRouter.select` (and `Scheduler.schedule`); the message says which. `AllBusy`, a
+    subclass, is the second case: busy thresholds and a saturated prefill queue clear by
+    themselves, so a gateway may queue the request and ask again.
     """
 
 
@@ -47,11 +49,12 @@ class RankInfo:
 
     @property
     def key(self) -> RankKey:
+        """(worker_id, dp_rank): the rank's key everywhere the scheduler keeps state."""
         return (self.worker_id, self.dp_rank)
 
 
 @dataclass(frozen=True, slots=True)
-class RankLoad:
+class RankState:
     """One rank as the services see it for one request.
 
     `cached_tokens`: the prompt's longest cached prefix there (indexer); `active_prefill_tokens`:
@@ -70,6 +73,7 @@ class RankLoad:
 
     @property
     def key(self) -> RankKey:
+        """(worker_id, dp_rank): the rank's key everywhere the scheduler keeps state."""
         return (self.worker_id, self.dp_rank)
 
 
@@ -118,6 +122,7 @@ class RankCost:
 
     @property
     def key(self) -> RankKey:
+        """(worker_id, dp_rank): the rank's key everywhere the scheduler keeps state."""
         return (self.worker_id, self.dp_rank)
 
     @property
@@ -155,10 +160,11 @@ class Selection:
 
     @property
     def chosen(self) -> RankCost:
+        """The pick: `ordered[0]`."""
         return self.ordered[0]
 
 
 __all__ = [
-    "AllBusy", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "NoWorkerAvailable", "RankCost", "RankInfo", "RankKey", "RankLoad",
+    "AllBusy", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "NoWorkerAvailable", "RankCost", "RankInfo", "RankKey", "RankState",
     "SchedulingRequest", "Selection",
 ]

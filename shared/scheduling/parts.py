@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from dynamo_lite.timing import TimingModel
 
 from .learning import decode_factor
-from .model import RankCost, RankInfo, RankLoad
+from .model import RankCost, RankInfo, RankState
 
 
 @dataclass(slots=True)
 class RankView:
     """One candidate for one request (see the module docstring)."""
 
-    load: RankLoad
+    load: RankState
     info: RankInfo
     timing: TimingModel
     cached_tokens: int  # what the cycle believes cached there (the indexer's, or the session's)
@@ -128,6 +128,7 @@ class BusyThresholds:
             raise ValueError("active_prefill_tokens_threshold_frac must be a finite number >= 0")
 
     def busy(self, info: RankInfo, active_prefill_tokens: int, decode_blocks: int) -> bool:
+        """Whether a rank with this load (its KV blocks in use with the request added) is busy."""
         decode = self.active_decode_blocks_threshold
         prefill = self.active_prefill_tokens_threshold
         frac = self.active_prefill_tokens_threshold_frac
@@ -138,6 +139,7 @@ class BusyThresholds:
 
     @property
     def any(self) -> bool:
+        """Whether any threshold is set (none: nothing is ever busy)."""
         return (self.active_decode_blocks_threshold is not None or self.active_prefill_tokens_threshold is not None
                 or self.active_prefill_tokens_threshold_frac is not None)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed_list
 from dynamo_lite.mock_engine.cache import PrefixCache
 from dynamo_lite.mock_engine.scheduler import EngineRequest, Scheduler, Step
-from dynamo_lite.scheduling import RankInfo, RankLoad, SchedulerConfig, SchedulingRequest, Selection
+from dynamo_lite.scheduling import RankInfo, RankState, SchedulerConfig, SchedulingRequest, Selection
 from dynamo_lite.scheduling import Scheduler as Cycle
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.timing import TimingModel
@@ -120,9 +120,9 @@ class Fleet:
         size = self.shape.block_size
         return [cache.held_prefix_blocks(hashes) * size for cache in self.caches]
 
-    def loads(self, sequence: list[int], cached: list[int]) -> list[RankLoad]:
+    def loads(self, sequence: list[int], cached: list[int]) -> list[RankState]:
         rows = self.tracker.potential_load_rows(MODEL, TENANT, sequence, 0)
-        return [RankLoad(WORKER, row["dp_rank"], cached[row["dp_rank"]], row["potential_prefill_tokens"],
+        return [RankState(WORKER, row["dp_rank"], cached[row["dp_rank"]], row["potential_prefill_tokens"],
                          row["potential_decode_blocks"], row["active_requests"]) for row in rows]
 
 
