@@ -46,7 +46,6 @@ from .scheduling import (
     NoWorkerAvailable,
     RankCost,
     RankInfo,
-    RankKey,
     RankState,
     Scheduler,
     SchedulerConfig,
@@ -54,6 +53,7 @@ from .scheduling import (
     Selection,
     dynamo_config,
 )
+from .scheduling.model import RankKey
 
 _logger = logging.getLogger("dynamo_lite.routing")
 

@@ -46,7 +46,6 @@ from dynamo_lite.scheduling import (
     BusyThresholds,
     RankCost,
     RankInfo,
-    RankKey,
     RankState,
     Scheduler,
     SchedulerConfig,
@@ -55,6 +54,7 @@ from dynamo_lite.scheduling import (
     ttft_config,
 )
 from dynamo_lite.scheduling.cycle import FILTER_BUSY, FILTER_SATURATED
+from dynamo_lite.scheduling.model import RankKey
 
 from .booking import Booking, BookingTarget, InFlight
 from .metrics import EppMetrics

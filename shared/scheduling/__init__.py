@@ -26,14 +26,12 @@ from .model import (
     NoWorkerAvailable,
     RankCost,
     RankInfo,
-    RankKey,  # noqa: F401 - importable; as typing plumbing, not in __all__
     RankState,
     SchedulingRequest,
     Selection,
 )
 from .parts import SCORERS, BusyThresholds
 
-# RankKey (a (worker_id, dp_rank) tuple alias) is importable too; as typing plumbing, not listed.
 __all__ = [
     "AllBusy", "BusyThresholds", "COSTS", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "NoWorkerAvailable", "RankCost", "RankInfo",
     "RankState", "SCORERS", "Scheduler", "SchedulerConfig", "SchedulerConfigError", "SchedulingRequest",
