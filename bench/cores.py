@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import indexer_core, slot_tracker_core
+from . import indexer_core, scheduling_core, slot_tracker_core
 from .runner import Results, progress
 from .servers import SERVER_CPU
 
@@ -32,6 +32,7 @@ def measure() -> dict[str, float]:
         "loads, 16 ranks": max(row["loads"] for row in rows[16]),
         "query_by_hash, 512 hashes, 16 workers": max(indexer_core.query_time(signed=True),
                                                     indexer_core.query_time(signed=False)),
+        **scheduling_core.measure(),
     }
 
 

@@ -35,6 +35,8 @@ CORE_TARGETS_US = {
     "potential_loads, 512 hashes, 256 ranks": 100.0,
     "add + prefill_complete + free, 256 hashes": 30.0,
     "query_by_hash, 512 hashes, 16 workers": 30.0,
+    # Issue 36: the scheduling cycle with what the picker computes around it, one core.
+    "hashes + scheduling cycle, 4,096-token prompt, 8 ranks": 100.0,
     # Issue 28: what a configured API key may add to a request (bench/security.py).
     "API key check per request (keyed − open, native server, GET /loads)": 1.0,
 }
