@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dynamo_lite.cli import HelpFormatter
-from dynamo_lite.client import AsyncIndexerClient, ServiceCallError
+from dynamo_lite.client import AsyncIndexerClient, IngestReport, ServiceCallError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes
 
 
@@ -83,7 +83,7 @@ class EngineSidecar:
         self.held.clear()
         return [self._event("cleared")]
 
-    async def publish(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    async def publish(self, events: list[dict[str, Any]]) -> IngestReport | None:
         """Post one engine step's events as one batch; returns the indexer's report."""
         if not events:
             return None
@@ -121,7 +121,7 @@ async def replay(indexer_url: str, lines: Sequence[str], model_name: str, worker
                     print(f"step {sidecar.step - 1}: {len(events)} events, applied {report['applied']}, "
                           f"rejected {report['rejected']}, gaps {report['gap_count']}")
             (worker,) = await indexer.workers(model_name=model_name)
-            print(f"worker {worker_id} holds {worker['ranks'][0]['blocks']} blocks")
+            print(f"worker {worker_id} holds {worker.ranks[0].blocks} blocks")
         finally:
             await indexer.unregister(worker_id, model_name)  # the engine stopped: its cache is gone
     return 0

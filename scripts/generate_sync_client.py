@@ -8,7 +8,7 @@ docstring and request body, and the sync one is the same text with `async def` a
 `await`, `aclose` as `close` and `Async` dropped from the names (`AsyncSlotTrackerClient` ->
 `SlotTrackerClient`, `httpx.AsyncClient` -> `httpx.Client`), as httpcore generates its sync
 classes. Type checkers and IDEs then see every sync method with its own types. What differs
-beyond those words (the transports, the async-only `pipelined=` option) is written by hand in
+beyond those words (the transports, the async-only `lean=` option) is written by hand in
 shared/_client_base.py. `tests/test_client.py` runs `--check`.
 """
 

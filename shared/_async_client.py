@@ -10,7 +10,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._client_base import DEFAULT_TENANT, OverlapScores, _AsyncServiceClient, filters
+from ._client_base import (
+    DEFAULT_TENANT,
+    DOCUMENT,
+    INDEXER_WORKERS,
+    INGEST_REPORT,
+    LOADS,
+    OVERLAP,
+    POTENTIAL_LOADS,
+    ROUTED_REPORT,
+    URLS,
+    WORKERS,
+    IndexerWorker,
+    IngestReport,
+    OverlapScores,
+    RoutedReport,
+    _AsyncServiceClient,
+    filters,
+)
 from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
 
@@ -52,8 +69,9 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
 
     async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
         """The registered workers, optionally of one model and/or tenant only."""
-        items = await self._transport.call("GET", "/workers", params=filters(model_name, tenant_id))
-        return [WorkerInfo(**item) for item in items]
+        workers: list[WorkerInfo] = await self._transport.call("GET", "/workers", params=filters(model_name, tenant_id),
+                                                               answer=WORKERS)
+        return workers
 
     async def add(
         self,
@@ -106,8 +124,9 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
 
     async def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[RankLoad]:
         """Current load of every rank (idle ones too), optionally of one model and/or tenant."""
-        items = await self._transport.call("GET", "/loads", params=filters(model_name, tenant_id))
-        return [RankLoad(**item) for item in items]
+        loads: list[RankLoad] = await self._transport.call("GET", "/loads", params=filters(model_name, tenant_id),
+                                                           answer=LOADS)
+        return loads
 
     async def potential_loads(
         self,
@@ -122,16 +141,16 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
         With `new_isl_tokens=0`, `potential_prefill_tokens` is the rank's active prefill, as
         `KvRouter` asks. 404 if no worker of the model is registered.
         """
-        items = await self._transport.call("POST", "/potential_loads", {
+        loads: list[PotentialLoad] = await self._transport.call("POST", "/potential_loads", {
             "model_name": model_name, "tenant_id": tenant_id,
             "sequence_hashes": list(sequence_hashes), "new_isl_tokens": new_isl_tokens,
-        })
-        return [PotentialLoad(**item) for item in items]
+        }, answer=POTENTIAL_LOADS)
+        return loads
 
     async def dump(self) -> dict[str, Any]:
         """The whole state as a versioned document: every partition's workers and active requests
         with the TTL each has left, what `--snapshot` files hold and `--peers` start-up loads."""
-        document: dict[str, Any] = await self._transport.call("GET", "/dump")
+        document: dict[str, Any] = await self._transport.call("GET", "/dump", answer=DOCUMENT)
         return document
 
 
@@ -177,14 +196,15 @@ class AsyncIndexerClient(_AsyncServiceClient):
             body["dp_rank"] = dp_rank
         await self._transport.call("POST", "/unregister", body)
 
-    async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
-        """The known instances with, per rank, its block counts, event watermark and subscription."""
-        instances: list[dict[str, Any]] = await self._transport.call("GET", "/workers", params=filters(model_name, tenant_id))
+    async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[IndexerWorker]:
+        """The known instances with, per rank, how it is indexed, its block counts and event watermark."""
+        instances: list[IndexerWorker] = await self._transport.call(
+            "GET", "/workers", params=filters(model_name, tenant_id), answer=INDEXER_WORKERS)
         return instances
 
-    async def events(self, document: dict[str, Any]) -> dict[str, Any]:
+    async def events(self, document: dict[str, Any]) -> IngestReport:
         """Post a `/dump`-shaped document of RouterEvents; returns the ingest report."""
-        report: dict[str, Any] = await self._transport.call("POST", "/events", document)
+        report: IngestReport = await self._transport.call("POST", "/events", document, answer=INGEST_REPORT)
         return report
 
     async def query_by_hash(
@@ -194,10 +214,10 @@ class AsyncIndexerClient(_AsyncServiceClient):
 
         404 if nothing is registered or cached for the model yet.
         """
-        body = await self._transport.call("POST", "/query_by_hash", {
+        scores: OverlapScores = await self._transport.call("POST", "/query_by_hash", {
             "model_name": model_name, "tenant_id": tenant_id, "block_hashes": list(block_hashes),
-        })
-        return OverlapScores.from_json(body)
+        }, answer=OVERLAP)
+        return scores
 
     async def query(
         self,
@@ -214,7 +234,8 @@ class AsyncIndexerClient(_AsyncServiceClient):
             body["lora_name"] = lora_name
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        return OverlapScores.from_json(await self._transport.call("POST", "/query", body))
+        scores: OverlapScores = await self._transport.call("POST", "/query", body, answer=OVERLAP)
+        return scores
 
     async def routed(
         self,
@@ -227,12 +248,12 @@ class AsyncIndexerClient(_AsyncServiceClient):
         tenant_id: str = DEFAULT_TENANT,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> RoutedReport:
         """Record that a prompt was routed to this rank (approximate indexing, for engines that
         publish no KV events): its blocks count for the rank for the indexer's TTL. Give the
         prompt as local block hashes (signed i64, as for `query_by_hash`) or as `token_ids`
-        (with `lora_name` / `cache_salt`), exactly one of the two. Returns `{"recorded",
-        "new", "evicted"}`; 404 if the partition is unknown."""
+        (with `lora_name` / `cache_salt`), exactly one of the two. Returns what it recorded;
+        404 if the partition is unknown."""
         body: dict[str, Any] = {
             "instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id, "dp_rank": dp_rank,
         }
@@ -244,17 +265,17 @@ class AsyncIndexerClient(_AsyncServiceClient):
             body["lora_name"] = lora_name
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        report: dict[str, Any] = await self._transport.call("POST", "/routed", body)
+        report: RoutedReport = await self._transport.call("POST", "/routed", body, answer=ROUTED_REPORT)
         return report
 
     async def dump(self) -> dict[str, Any]:
         """The whole index as an events document, which `events()` on another indexer ingests."""
-        document: dict[str, Any] = await self._transport.call("GET", "/dump")
+        document: dict[str, Any] = await self._transport.call("GET", "/dump", answer=DOCUMENT)
         return document
 
     async def peers(self) -> list[str]:
         """The base URLs of the peer indexers this indexer knows (`--peers`, `register_peer`)."""
-        urls: list[str] = await self._transport.call("GET", "/peers")
+        urls: list[str] = await self._transport.call("GET", "/peers", answer=URLS)
         return urls
 
     async def register_peer(self, url: str) -> None:

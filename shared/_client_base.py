@@ -8,13 +8,15 @@ both where they do not. `dynamo_lite.client` is the public face.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import httpx
+import msgspec
 import orjson
 
 from .credentials import Cert, ClientCredentials, Verify, client_credentials
+from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
 DEFAULT_TIMEOUT_SECS = 5.0
 """Seconds a client waits for each call (connect, read, write) unless told otherwise."""
@@ -44,8 +46,8 @@ class ServiceCallError(Exception):
 class TransportError(ServiceCallError):
     """No answer came: the connection failed, broke or timed out (`status` is 0).
 
-    Nothing says whether the service did the call; every route the clients call is safe to
-    repeat. Raised as such for a lost connection or an unreadable answer.
+    Nothing says whether the service did the call. Raised as such for a lost connection;
+    `ConnectError`, `CallTimeout` and `InvalidAnswer` say more.
     """
 
     def __init__(self, message: str, *, method: str = "", path: str = "") -> None:
@@ -59,6 +61,11 @@ class ConnectError(TransportError):
 
 class CallTimeout(TransportError):
     """No answer within the client's `timeout`."""
+
+
+class InvalidAnswer(TransportError):
+    """An answer came but does not read: not JSON, cut short, another shape than the route's,
+    or larger than the client takes. Nothing says whether the service did the call."""
 
 
 class ServiceStatusError(ServiceCallError):
@@ -82,7 +89,68 @@ def transport_error(error: httpx.TransportError, method: str, path: str) -> Tran
     return kind(f"{type(error).__name__}: {error}", method=method, path=path)
 
 
-# --- answers ------------------------------------------------------------------------------------
+# --- answers: typed, decoded in one pass, unknown fields ignored ---------------------------------
+# A service release that adds a field to an answer breaks no deployed client; an answer that
+# does not read is an `InvalidAnswer`.
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerRank:
+    """One rank of an indexer instance, as `GET /workers` lists it: how it is indexed (`source`:
+    `events`, `approximate` or `none`), whether it is registered, the engine's KV-event
+    `endpoint` (and `replay_endpoint`, and its listener's state), its device / lower-tier /
+    approximated block counts and its event watermark."""
+
+    dp_rank: int
+    source: str
+    registered: bool = True
+    endpoint: str | None = None
+    blocks: int = 0
+    lower_tier_blocks: int = 0
+    approximate_blocks: int = 0
+    last_event_id: int | None = None
+    replay_endpoint: str | None = None
+    listener: dict[str, Any] | None = None  # the ZMQ listener's state, for a rank with an endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerWorker:
+    """One instance the indexer knows (`GET /workers`), with its ranks."""
+
+    instance_id: int
+    model_name: str
+    tenant_id: str
+    block_size: int
+    ranks: list[IndexerRank] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestReport:
+    """What `POST /events` did: events applied, skipped (re-deliveries), rejected; removals of
+    blocks the worker did not hold; gaps in event ids; the first rejections and gaps, as the
+    service describes them."""
+
+    applied: int
+    skipped: int
+    rejected: int
+    unknown_removals: int = 0
+    gap_count: int = 0
+    rejections: list[dict[str, Any]] = field(default_factory=list)
+    gaps: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedReport:
+    """What `POST /routed` recorded: blocks recorded, of which new, and approximations evicted."""
+
+    recorded: int
+    new: int
+    evicted: int
+
+
+class _OverlapAnswer(msgspec.Struct):
+    scores: dict[str, dict[str, int]]
+    instances: dict[str, dict[str, Any]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +171,59 @@ class OverlapScores:
         }
         instances = {int(instance): detail for instance, detail in body.get("instances", {}).items()}
         return cls(scores, instances)
+
+    @classmethod
+    def _from_answer(cls, answer: _OverlapAnswer) -> OverlapScores:
+        try:
+            scores = {(int(instance), int(rank)): tokens
+                      for instance, ranks in answer.scores.items() for rank, tokens in ranks.items()}
+            instances = {int(instance): detail for instance, detail in answer.instances.items()}
+        except ValueError as exc:
+            raise msgspec.ValidationError(f"an instance or rank key is not an integer: {exc}") from None
+        return cls(scores, instances)
+
+
+class Answer(Protocol):
+    """How a transport turns an answer body into a route's result (`decode`); `ValueError` (or
+    msgspec's `DecodeError`, a `ValueError`) for one that does not read."""
+
+    def decode(self, content: bytes) -> Any: ...
+
+
+class _Typed:
+    """An answer decoded by msgspec into `type_` (unknown fields ignored), then `then`."""
+
+    __slots__ = ("_decoder", "_then")
+
+    def __init__(self, type_: Any, then: Any = None) -> None:
+        self._decoder = msgspec.json.Decoder(type_)
+        self._then = then
+
+    def decode(self, content: bytes) -> Any:
+        value = self._decoder.decode(content)
+        return value if self._then is None else self._then(value)
+
+
+WORKERS = _Typed(list[WorkerInfo])
+LOADS = _Typed(list[RankLoad])
+POTENTIAL_LOADS = _Typed(list[PotentialLoad])
+DOCUMENT = _Typed(dict[str, Any])
+INDEXER_WORKERS = _Typed(list[IndexerWorker])
+INGEST_REPORT = _Typed(IngestReport)
+ROUTED_REPORT = _Typed(RoutedReport)
+OVERLAP = _Typed(_OverlapAnswer, OverlapScores._from_answer)
+URLS = _Typed(list[str])
+
+
+def decode_answer(answer: Answer | None, content: bytes, method: str, path: str) -> Any:
+    """The route's result from a 2xx body; None without an `answer` (routes that return nothing
+    read no body); `InvalidAnswer` for one that does not read."""
+    if answer is None:
+        return None
+    try:
+        return answer.decode(content)
+    except ValueError as exc:
+        raise InvalidAnswer(f"the answer does not read: {exc}", method=method, path=path) from None
 
 
 def filters(model_name: str | None, tenant_id: str | None) -> dict[str, str]:
@@ -141,17 +262,18 @@ class _Calls:
         return orjson.dumps(body), self.json_headers
 
     @staticmethod
-    def answer(response: httpx.Response, method: str, path: str) -> Any:
-        """The decoded JSON answer (None for an empty body), or the `ServiceStatusError`."""
+    def answer(response: httpx.Response, method: str, path: str, answer: Answer | None) -> Any:
+        """The route's result, or the `ServiceStatusError`."""
         if response.status_code >= 400:
             raise status_error(response.status_code, response.content, method, path)
-        return orjson.loads(response.content) if response.content else None
+        return decode_answer(answer, response.content, method, path)
 
 
 class AsyncTransport(Protocol):
-    """What the async clients call through: httpx's pool or the pipelined transport."""
+    """What the async clients call through: httpx's pool or the lean transport."""
 
-    async def call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None) -> Any: ...
+    async def call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None,
+                   answer: Answer | None = None) -> Any: ...
 
     async def aclose(self) -> None: ...
 
@@ -165,13 +287,14 @@ class _AsyncHTTPTransport:
         self._calls = _Calls(client is not None, credentials)
         self._client = client or httpx.AsyncClient(**_Calls.options(base_url, timeout, credentials))
 
-    async def call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None) -> Any:
+    async def call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None,
+                   answer: Answer | None = None) -> Any:
         content, headers = self._calls.request(body)
         try:
             response = await self._client.request(method, path, content=content, headers=headers, params=params)
         except httpx.TransportError as exc:
             raise transport_error(exc, method, path) from exc
-        return self._calls.answer(response, method, path)
+        return self._calls.answer(response, method, path, answer)
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -187,13 +310,14 @@ class _HTTPTransport:
         self._calls = _Calls(client is not None, credentials)
         self._client = client or httpx.Client(**_Calls.options(base_url, timeout, credentials))
 
-    def call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None) -> Any:
+    def call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None,
+             answer: Answer | None = None) -> Any:
         content, headers = self._calls.request(body)
         try:
             response = self._client.request(method, path, content=content, headers=headers, params=params)
         except httpx.TransportError as exc:
             raise transport_error(exc, method, path) from exc
-        return self._calls.answer(response, method, path)
+        return self._calls.answer(response, method, path, answer)
 
     def close(self) -> None:
         if self._owns_client:
@@ -213,19 +337,19 @@ class _AsyncServiceClient:
     """The base URL a client calls when given none: the service's default address."""
 
     def __init__(self, base_url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_SECS,
-                 client: httpx.AsyncClient | None = None, pipelined: bool = False, api_key: str | None = None,
+                 client: httpx.AsyncClient | None = None, lean: bool = False, api_key: str | None = None,
                  verify: Verify = True, cert: Cert = None, credentials: ClientCredentials | None = None) -> None:
         if credentials is None:
             credentials = client_credentials(api_key, verify, cert)
         self.credentials = credentials
         base_url = self.DEFAULT_URL if base_url is None else base_url
         self._transport: AsyncTransport
-        if pipelined:
+        if lean:
             if client is not None:
-                raise ValueError("pipelined=True makes its own connections: pass no httpx client")
-            from .pipelined import PipelinedTransport  # imports this module's errors
+                raise ValueError("lean=True makes its own connections: pass no httpx client")
+            from .lean_http import LeanTransport  # imports this module's errors
 
-            self._transport = PipelinedTransport(base_url, timeout, api_key=credentials.api_key)
+            self._transport = LeanTransport(base_url, timeout, api_key=credentials.api_key)
         else:
             self._transport = _AsyncHTTPTransport(base_url, timeout, client, credentials)
 

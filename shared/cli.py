@@ -60,7 +60,7 @@ def service_parser(prog: str, description: str, default_port: int) -> argparse.A
     parser.add_argument("--host", default="0.0.0.0",
                         help="address to bind (without --api-key anyone who reaches it may write: "
                              "keep it on a trusted network)")
-    parser.add_argument("--port", type=_port, default=default_port, help="TCP port to listen on")
+    parser.add_argument("--port", type=port_number, default=default_port, help="TCP port to listen on")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="minimum level of log lines")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                         help="text lines, or one JSON object per line")
@@ -137,25 +137,53 @@ def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: s
     return value
 
 
-def _port(text: str) -> int:
-    port = int(text)
+# Argument types. Each says what is wrong in words: argparse prefixes the flag ("argument
+# --port: 'abc' is not a TCP port"), where a bare int() would make it "invalid _port value".
+
+
+def _integer(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port (0..65535), as argparse's `type=`."""
+    port = _integer(text, "a TCP port")
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
     return port
 
 
-
 def non_negative_float(text: str) -> float:
-    value = float(text)
+    value = _number(text, "a number")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
     return value
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text, "an integer")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text, "an integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return value
 
 
@@ -168,7 +196,7 @@ def default_max_connections(open_files: int) -> int:
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
+    value = _number(text, "a number")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number")
     return value

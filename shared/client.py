@@ -11,15 +11,19 @@ apply, and its owner closes it), `api_key=` (sent as `Authorization: Bearer KEY`
 started with `--api-key`; default: `DYNAMO_LITE_API_KEY`, `""` sends none), for https:// URLs
 `verify=` (True, a CA bundle path or an `ssl.SSLContext`) and `cert=` (a client certificate for
 mutual TLS) as httpx takes them, or one `credentials=ClientCredentials(...)` for those three.
-The async clients also take `pipelined=True`: the lean pipelined HTTP/1.1 transport
-(`dynamo_lite.pipelined`: plain http only, a tenth of httpx's CPU per call).
+The async clients also take `lean=True`: the lean HTTP/1.1 transport (`dynamo_lite.lean_http`:
+plain http only, a tenth of httpx's CPU per call, one call in flight per pooled connection).
 
 Errors, like httpx's: every failed call raises a `ServiceCallError`, as one of
 
 * `ServiceStatusError`: the service answered with an error status (`status`, and its
   `{"error": ...}` text as `message`);
-* `TransportError`: no answer (`status` 0), more precisely `ConnectError` (no connection, the
-  call was not sent) or `CallTimeout` (no answer in time).
+* `TransportError`: no usable answer (`status` 0), more precisely `ConnectError` (no
+  connection, the call was not sent), `CallTimeout` (no answer in time) or `InvalidAnswer` (an
+  answer that does not read: not JSON, cut short, of another shape, or too large).
+
+Answers are decoded into their types in one pass; a field a newer service adds is ignored, so a
+service release never breaks a deployed client.
 
 Code that catches `ServiceCallError` and reads `status` (0 for no answer) keeps working.
 
@@ -34,6 +38,10 @@ own wire types (`dynamo_lite.slot_tracker.protocols`), re-exported here:
   `loads()` lists them.
 * `PotentialLoad`: one rank's load if a request were added there (`potential_prefill_tokens`,
   `potential_decode_blocks`, plus its `active_requests`), as `potential_loads()` lists them.
+
+The indexer's answers are the client's own types: `IndexerWorker` and `IndexerRank`
+(`workers()`), `OverlapScores` (`query_by_hash()`, `query()`), `IngestReport` (`events()`),
+`RoutedReport` (`routed()`).
 """
 
 from __future__ import annotations
@@ -44,7 +52,12 @@ from ._client_base import (
     DEFAULT_TIMEOUT_SECS,
     CallTimeout,
     ConnectError,
+    IndexerRank,
+    IndexerWorker,
+    IngestReport,
+    InvalidAnswer,
     OverlapScores,
+    RoutedReport,
     ServiceCallError,
     ServiceStatusError,
     TransportError,
@@ -63,7 +76,12 @@ __all__ = [
     "TransportError",
     "ConnectError",
     "CallTimeout",
+    "InvalidAnswer",
     "OverlapScores",
+    "IndexerWorker",
+    "IndexerRank",
+    "IngestReport",
+    "RoutedReport",
     "DEFAULT_TIMEOUT_SECS",
     "DEFAULT_TENANT",
     "ClientCredentials",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -172,10 +173,10 @@ async def read_body(scope: Scope, receive: Receive, max_body: int) -> bytes:
 class QueryParams(Mapping[str, str]):
     """Form-decoded query parameters in which a known parameter may appear at most once.
 
-    A route that takes parameters refuses any other: a typo (`?model=` for `?model_name=`)
-    would otherwise filter nothing and answer every model's rows with a 200, and a gateway
-    would route on the wrong fleet. Dynamo 1.6.1 ignores unknown parameters (a documented
-    difference). A route without parameters (`/dump`) ignores its query string, as Dynamo does.
+    Every API route refuses a parameter it does not take, GET and POST alike: a typo
+    (`?model=` for `?model_name=`) would otherwise filter nothing and answer every model's rows
+    with a 200, and a gateway would route on the wrong fleet. Dynamo 1.6.1 ignores unknown
+    parameters (a documented difference). The probes and `/metrics` ignore their query string.
     """
 
     def __init__(self, raw: bytes, known: frozenset[str]) -> None:
@@ -189,11 +190,8 @@ class QueryParams(Mapping[str, str]):
             raise MalformedRequest(f"invalid query string: {exc}") from None
         for key, value in pairs:
             if key not in known:
-                if not known:
-                    continue
-                raise MalformedRequest(
-                    f"unknown query parameter `{key}`; accepted: {', '.join(sorted(known))}"
-                )
+                accepted = f"accepted: {', '.join(sorted(known))}" if known else "this route takes none"
+                raise MalformedRequest(f"unknown query parameter `{key}`; {accepted}")
             if key in values:
                 raise MalformedRequest(f"failed to deserialize query string: duplicate field `{key}`")
             values[key] = value
@@ -395,6 +393,9 @@ async def _sent(send: Send, message: Message) -> bool:
     return True
 
 
+_NO_PARAMETERS: frozenset[str] = frozenset()
+
+
 class JsonBodyEndpoint(DirectEndpoint):
     """A POST route: bounded JSON body in, `handler(read(body)) -> (status, payload)`; `read`
     is a `RequestBody` type's decoder, or plain JSON decoding."""
@@ -407,6 +408,8 @@ class JsonBodyEndpoint(DirectEndpoint):
         self.max_body = max_body
 
     def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
+        if query_string:
+            QueryParams(query_string, _NO_PARAMETERS)  # refuses any parameter, as GET routes do
         result = self.handler(self.read(body))
         if type(result) is tuple:
             status, payload = result
@@ -519,10 +522,44 @@ def health_route() -> Route:
     return Route("/health", endpoint, methods=["GET"])
 
 
+class OpenApiEndpoint(DirectEndpoint):
+    """`GET /openapi.json`: the service's document as it runs. Started without a key, the
+    document has no security requirement and no 401/403 answers (no call can get one); with
+    keys (`Service.protect`), the whole document. Both converted once, at start-up."""
+
+    def __init__(self, spec_path: Path) -> None:
+        document = yaml.safe_load(spec_path.read_text(encoding="utf-8"))
+        self.keyed = orjson.dumps(document)
+        self.open = orjson.dumps(unsecured(document))
+        self.protected = False
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        return 200, self.keyed if self.protected else self.open, _JSON_HEADERS
+
+
+def unsecured(document: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAPI document without its security: no requirement (top level or per operation),
+    no security schemes, no 401 and 403 answers."""
+    document = copy.deepcopy(document)
+    document.pop("security", None)
+    components = document.get("components", {})
+    components.pop("securitySchemes", None)
+    for responses_name in ("Unauthorized", "ReadOnlyKey"):
+        components.get("responses", {}).pop(responses_name, None)
+    for item in document.get("paths", {}).values():
+        for operation in item.values():
+            if not isinstance(operation, dict):
+                continue
+            operation.pop("security", None)
+            responses = operation.get("responses", {})
+            for status in ("401", "403"):
+                responses.pop(status, None)
+    return document
+
+
 def openapi_route(spec_path: Path) -> Route:
-    """Serve the service's OpenAPI YAML document as JSON, converted once at start-up."""
-    document = orjson.dumps(yaml.safe_load(spec_path.read_text(encoding="utf-8")))
-    return Route("/openapi.json", StaticEndpoint(document), methods=["GET"])
+    """Serve the service's OpenAPI YAML document as JSON (`OpenApiEndpoint`)."""
+    return Route("/openapi.json", OpenApiEndpoint(spec_path), methods=["GET"])
 
 
 NOT_FOUND_BODY = error_body("route not found")
@@ -604,6 +641,8 @@ class Service(Starlette):
         self.api_keys = api_keys
         for path, entry in self._table.items():
             self._table[path] = entry._replace(access=route_access(entry, api_keys.public_metrics))
+            if isinstance(entry.endpoint, OpenApiEndpoint):
+                entry.endpoint.protected = True
         self.metrics_registry.register(ApiKeysCollector(api_keys))
 
     def endpoint(self, path: str) -> RouteEntry | None:

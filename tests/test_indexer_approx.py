@@ -17,7 +17,7 @@ from support.http_support import JSON, assert_error, post
 from support.indexer_events import L, apply, cleared, doc, removed, scores, stored
 from support.reference_server import free_port, require_reference_or_skip, running_server, running_service
 
-from dynamo_lite.client import AsyncIndexerClient, ServiceCallError
+from dynamo_lite.client import AsyncIndexerClient, RoutedReport, ServiceCallError
 from dynamo_lite.errors import Conflict, NotFound
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed, to_signed_list
 from dynamo_lite.indexer.answers import query_answer
@@ -434,9 +434,9 @@ def test_client_routed_round_trip() -> None:
         transport = httpx.ASGITransport(app=app)
         async with AsyncIndexerClient(client=httpx.AsyncClient(transport=transport, base_url="http://i")) as client:
             await client.register(7, "llama", 16)
-            assert await client.routed(7, "llama", to_signed_list(L)) == {"recorded": 4, "new": 4, "evicted": 0}
-            assert await client.routed(7, "llama", token_ids=list(range(1, 65)), dp_rank=1, lora_name="x") == {
-                "recorded": 4, "new": 4, "evicted": 0}
+            assert await client.routed(7, "llama", to_signed_list(L)) == RoutedReport(recorded=4, new=4, evicted=0)
+            assert await client.routed(7, "llama", token_ids=list(range(1, 65)), dp_rank=1, lora_name="x") == \
+                RoutedReport(recorded=4, new=4, evicted=0)
             assert (await client.query_by_hash("llama", to_signed_list(L))).scores == {(7, 0): 64}
             assert (await client.query("llama", list(range(1, 65)), lora_name="x")).scores == {(7, 1): 64}
             with pytest.raises(ServiceCallError) as failure:

@@ -232,3 +232,11 @@ def test_the_readme_set_up_on_a_taken_port_says_so_in_one_line_and_starts_nothin
                               text=True, timeout=60, env=dict(os.environ, TMPDIR=str(scratch)))
         assert done.returncode == 1 and "already in use" in done.stderr, done
         assert list(scratch.iterdir()) == []
+
+
+def test_the_readme_shows_the_design_cards_command_for_one_service() -> None:
+    """The design card starts a service as `python -m dynamo_lite.slot_tracker --port 8091`: a user
+    looking for how to start one service alone finds that command in the README."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    for command in ("python -m dynamo_lite.slot_tracker --port 8091", "python -m dynamo_lite.indexer --port 8090"):
+        assert command in readme, command

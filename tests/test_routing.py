@@ -209,8 +209,8 @@ def test_router_records_routes_for_ranks_without_events_and_only_for_them() -> N
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://service")
 
     async def approximate_blocks(indexer: AsyncIndexerClient) -> dict[tuple[int, int], tuple[str, int]]:
-        return {(info["instance_id"], rank["dp_rank"]): (rank["source"], rank["approximate_blocks"])
-                for info in await indexer.workers("m") for rank in info["ranks"]}
+        return {(info.instance_id, rank.dp_rank): (rank.source, rank.approximate_blocks)
+                for info in await indexer.workers("m") for rank in info.ranks}
 
     async def scenario() -> None:
         async with AsyncSlotTrackerClient(client=in_process(create_slot_tracker())) as slots, \

@@ -19,13 +19,21 @@ from dynamo_lite.cli import (
     non_negative_int,
     parse_args,
     positive_float,
+    positive_int,
     serve,
     service_parser,
 )
 from dynamo_lite.scheduling import COSTS, SchedulerConfig, SchedulerConfigError, load_config, preset
 
 from .app import DEFAULT_ENGINE_METRICS_SECS, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EppConfig, create_app
-from .picker import DEFAULT_FALLBACKS, DEFAULT_PRIORITY_HEADER, DEFAULT_SESSION_HEADER, PickerSettings
+from .picker import (
+    DEFAULT_FALLBACKS,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_PRIORITY_HEADER,
+    DEFAULT_SESSION_HEADER,
+    PickerSettings,
+)
+from .prompt import DEFAULT_TOKENIZER_THREADS
 from .queue import QueuePolicy
 
 SERVICES_API_KEY_FLAG = "--services-api-key"
@@ -81,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "engine stand-in's shipped tokenizer")
     services.add_argument("--render-url", default=None,
                           help="tokenize with vLLM's render endpoints at this base URL instead of locally")
+    services.add_argument("--tokenizer-threads", type=non_negative_int, default=DEFAULT_TOKENIZER_THREADS,
+                          help="threads tokenizing long prompts off the event loop that relays the answers (0: "
+                          "tokenize every prompt on the loop)")
+    services.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+                          help="refuse longer prompts with 400 context_length_exceeded before asking any service "
+                          f"(default: the shortest context length the engines report, else {DEFAULT_MAX_PROMPT_TOKENS:,})")
     services.add_argument("--pool-poll-secs", type=positive_float, default=1.0,
                           help="how often the pool file is checked for changes (and unregistered endpoints retried)")
     routing = parser.add_argument_group(
@@ -183,12 +197,14 @@ def main(argv: list[str] | None = None) -> None:
         queue_policy=QueuePolicy(args.router_queue_policy), queue_max_wait_secs=args.queue_max_wait_secs,
         queue_max_size=args.queue_max_size, priority_header=args.priority_header.lower(),
         session_header=args.session_header.lower() or None, fallbacks=args.fallbacks, seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
     own_key = args.api_keys.write_keys[0] if args.api_keys is not None else None
     config = EppConfig(
         pool_file=args.pool, slot_tracker_url=args.slot_tracker, indexer_url=args.indexer, tokenizer=args.tokenizer,
         render_url=args.render_url, grpc_host=args.host, grpc_port=args.port, cert=args.cert, key=args.key,
         client_ca=args.client_ca, engine_metrics_secs=args.engine_metrics_secs,
+        tokenizer_threads=args.tokenizer_threads,
         picker=settings, pool_poll_secs=args.pool_poll_secs, shutdown_grace_secs=args.shutdown_grace_secs,
         credentials=client_credentials_from(args, api_key_flag=SERVICES_API_KEY_FLAG,
                                             default_key=own_key.decode() if own_key else None),

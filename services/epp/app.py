@@ -35,7 +35,7 @@ from .grpc_server import EppServer
 from .metrics import EppMetrics
 from .picker import KvPicker, PickerSettings
 from .pool import PoolRegistrar, PoolWatcher
-from .prompt import PromptReader
+from .prompt import DEFAULT_TOKENIZER_THREADS, PromptReader
 
 logger = logging.getLogger("dynamo_lite.epp")
 
@@ -63,6 +63,7 @@ class EppConfig:
     pool_poll_secs: float = 1.0
     shutdown_grace_secs: float = 30.0
     engine_metrics_secs: float = DEFAULT_ENGINE_METRICS_SECS  # 0: the engines' /metrics are not read
+    tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     # The key and TLS settings the picker presents to both services.
     credentials: ClientCredentials = field(default_factory=ClientCredentials.from_env)
 
@@ -136,13 +137,13 @@ def create_app(config: EppConfig) -> http.Service:
     @contextlib.asynccontextmanager
     async def lifespan(app: http.Service) -> AsyncIterator[None]:
         tokenizer = Tokenizer.load(config.tokenizer) if config.render_url is None or config.tokenizer else None
-        prompts = PromptReader(tokenizer=tokenizer, render_url=config.render_url)
-        # The pipelined transport: httpx cost ~1 ms of CPU per call, 87 % of the picker's time
+        prompts = PromptReader(tokenizer=tokenizer, render_url=config.render_url, threads=config.tokenizer_threads)
+        # The lean transport: httpx cost ~1 ms of CPU per call, 87 % of the picker's time
         # (bench.gateway); it needs plain http:// URLs.
-        pipelined = all(url.startswith("http://") for url in (config.slot_tracker_url, config.indexer_url))
-        slot_tracker = AsyncSlotTrackerClient(config.slot_tracker_url, timeout=SERVICE_TIMEOUT_SECS, pipelined=pipelined,
+        lean = all(url.startswith("http://") for url in (config.slot_tracker_url, config.indexer_url))
+        slot_tracker = AsyncSlotTrackerClient(config.slot_tracker_url, timeout=SERVICE_TIMEOUT_SECS, lean=lean,
                                               credentials=config.credentials)
-        indexer = AsyncIndexerClient(config.indexer_url, timeout=SERVICE_TIMEOUT_SECS, pipelined=pipelined,
+        indexer = AsyncIndexerClient(config.indexer_url, timeout=SERVICE_TIMEOUT_SECS, lean=lean,
                                      credentials=config.credentials)
         registrar = PoolRegistrar(slot_tracker, indexer)
         watcher = PoolWatcher(config.pool_file, registrar, interval=config.pool_poll_secs)
@@ -157,7 +158,8 @@ def create_app(config: EppConfig) -> http.Service:
         watch = loop.create_task(watcher.run(), name="pool-watcher")
         background = [watch]
         if config.engine_metrics_secs > 0:
-            reader = EngineMetricsReader(lambda: picker.pool, picker.scheduler, config.engine_metrics_secs)
+            reader = EngineMetricsReader(lambda: picker.pool, picker.scheduler, config.engine_metrics_secs,
+                                         on_context_length=picker.set_context_length)
             background.append(loop.create_task(reader.run(), name="engine-metrics"))
         server = EppServer(picker, host=config.grpc_host, port=config.grpc_port, cert=config.cert, key=config.key,
                            client_ca=config.client_ca, ready=lambda: watcher.ready)

@@ -8,6 +8,9 @@ the engine stand-in serves too):
   `vllm:time_per_output_token_seconds`) with `vllm:num_requests_running`: the mean decode step
   over the interval, at that batch size, which the scheduler's rate estimate observes.
 
+* `GET /v1/models` (once per engine, until it answers): the engine's context length
+  (`max_model_len`), which bounds the prompts the picker accepts.
+
 Series are told apart by their `engine` label (vLLM's data-parallel rank); without one, a series
 belongs to rank 0. An engine that cannot be read is skipped until the next round (logged once
 per streak at debug level): routing never waits on it.
@@ -84,10 +87,13 @@ class EngineMetricsReader:
     """Reads every engine of the pool every `interval` seconds and tells the scheduler."""
 
     def __init__(self, pool: Callable[[], Sequence[PoolEndpoint]], scheduler: Scheduler, interval: float,
-                 client: httpx.AsyncClient | None = None) -> None:
+                 client: httpx.AsyncClient | None = None,
+                 on_context_length: Callable[[str, int], None] | None = None) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.interval = interval
+        self.on_context_length = on_context_length
+        self._context_known: set[str] = set()
         self._client = client or httpx.AsyncClient(timeout=READ_TIMEOUT_SECS)
         self._previous: dict[tuple[int, int], EngineReading] = {}
         self._failing: set[str] = set()
@@ -107,6 +113,8 @@ class EngineMetricsReader:
         await asyncio.gather(*(self._read(address, endpoints) for address, endpoints in by_address.items()))
 
     async def _read(self, address: str, endpoints: list[PoolEndpoint]) -> None:
+        if self.on_context_length is not None and address not in self._context_known:
+            await self._read_context_length(address)
         try:
             answer = await self._client.get(f"http://{address}/metrics")
             if answer.status_code != 200 or len(answer.content) > MAX_BODY_BYTES:
@@ -135,6 +143,18 @@ class EngineMetricsReader:
             if tokens >= MIN_TOKENS_PER_READING:
                 running = reading.running if reading.running is not None else 1.0
                 self.scheduler.observe_decode_step(rank, (reading.itl_sum - previous.itl_sum) / tokens, max(1.0, running))
+
+    async def _read_context_length(self, address: str) -> None:
+        try:
+            answer = await self._client.get(f"http://{address}/v1/models")
+            cards = answer.json().get("data") if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        declared = [card.get("max_model_len") for card in cards or () if isinstance(card, dict)]
+        lengths = [length for length in declared if isinstance(length, int) and length > 0]
+        if lengths and self.on_context_length is not None:
+            self._context_known.add(address)
+            self.on_context_length(address, min(lengths))
 
 
 __all__ = ["EngineMetricsReader", "EngineReading", "parse_metrics"]

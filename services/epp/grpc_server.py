@@ -51,6 +51,7 @@ from .protocol import (
     PickError,
     RequestInfo,
     RequestTracker,
+    error_body,
 )
 
 log = logging.getLogger(__name__)
@@ -97,15 +98,20 @@ def _streamed_body(data: bytes, end_of_stream: bool, *, request: bool) -> pb.Pro
     return pb.ProcessingResponse(request_body=body) if request else pb.ProcessingResponse(response_body=body)
 
 
-def immediate_response(status: int, message: str, headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
-    """An answer Envoy sends the client itself: `{"error": message}` as JSON."""
+ENGINE_HEADER = "x-dynamo-lite-engine"
+"""Response header naming the engine (ip:port) that served the request."""
+
+
+def immediate_response(status: int, message: str, headers: dict[str, str] | None = None,
+                       code: str | None = None) -> pb.ProcessingResponse:
+    """An answer Envoy sends the client itself, in OpenAI's error shape (`protocol.error_body`)."""
     all_headers = {"content-type": "application/json"}
     all_headers.update({k.lower(): v for k, v in (headers or {}).items()})
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
             headers=pb.HeaderMutation(set_headers=_set_headers(all_headers)),
-            body=json.dumps({"error": message}).encode(),
+            body=error_body(status, message, code),
             details=f"epp_{status}",
         )
     )
@@ -152,6 +158,7 @@ class _Tracked:
         self.request_id = request_id
         self.ended = False
         self.served_reported = False
+        self.engine = ""  # the endpoint picked, then the one Envoy reports it served the request
         self.observers = 0  # observability-mode streams driving this tracker
 
     def _call(self, name: str, *args: Any) -> None:
@@ -167,6 +174,7 @@ class _Tracked:
     def served(self, endpoint: str) -> None:
         if not self.ended and not self.served_reported:
             self.served_reported = True
+            self.engine = endpoint
             self._call("served", endpoint)
 
     def response_chunk(self, data: bytes) -> None:
@@ -271,9 +279,9 @@ class _Stream:
         try:
             parsed = json.loads(body)
         except ValueError:
-            return self._finish(immediate_response(400, "the request body is not valid JSON"))
+            return self._finish(immediate_response(400, "the request body is not valid JSON", code="invalid_json"))
         if not isinstance(parsed, dict) or "model" not in parsed:
-            return self._finish(immediate_response(400, "model not found in request body"))
+            return self._finish(immediate_response(400, "model not found in request body", code="model_missing"))
         if not isinstance(parsed["model"], str):
             return self._finish(immediate_response(400, "model must be a string"))
         return await self._decide(body, has_body=True, trailers=trailers)
@@ -307,7 +315,7 @@ class _Stream:
             pick = await self.picker.pick(request)
         except PickError as e:
             log.debug("request %s: %r", self.request_id, e)
-            return self._finish(immediate_response(e.status, e.message, e.headers))
+            return self._finish(immediate_response(e.status, e.message, e.headers, e.code))
         except Exception:
             log.exception("request %s: the picker failed", self.request_id)
             return self._finish(immediate_response(500, "the endpoint picker failed"))
@@ -317,6 +325,7 @@ class _Stream:
             log.error("request %s: the picker returned no endpoint", self.request_id)
             return self._finish(immediate_response(503, "no ready endpoint"))
         self.tracked = _Tracked(pick.tracker, self.request_id)
+        self.tracked.engine = endpoints[0]
         self.owner = True
         self.live[self.request_id] = self.tracked
         return self._routed(pick, endpoints, body, has_body=has_body, trailers=trailers, client_gateway=client_gateway)
@@ -385,6 +394,11 @@ class _Stream:
             self.tracked.response_headers(status, {k: v for k, v in headers.items() if not k.startswith(":")})
             if msg.response_headers.end_of_stream:  # an answer without body
                 self.tracked.end("complete")
+            if self.tracked.engine and not self.observer:
+                # The client learns which engine answered (its logs, a support ticket).
+                mutation = pb.HeaderMutation(set_headers=_set_headers({ENGINE_HEADER: self.tracked.engine}))
+                return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+                    response=pb.CommonResponse(header_mutation=mutation)))]
         return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
 
     def _response_body(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -560,4 +574,4 @@ async def serve(
     return await EppServer(picker, host=host, port=port, cert=cert, key=key, client_ca=client_ca, ready=ready).start()
 
 
-__all__ = ["MAX_CHUNK", "EppServer", "ExternalProcessor", "immediate_response", "serve"]
+__all__ = ["ENGINE_HEADER", "MAX_CHUNK", "EppServer", "ExternalProcessor", "immediate_response", "serve"]

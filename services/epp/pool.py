@@ -46,13 +46,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
-import orjson
 import yaml
 
 from dynamo_lite.client import (
     AsyncIndexerClient,
     AsyncSlotTrackerClient,
+    IndexerWorker,
     ServiceCallError,
     ServiceStatusError,
     TransportError,
@@ -554,10 +553,11 @@ def _transient(exc: BaseException) -> bool:
     (`TransportError`), 408, 429, 5xx, or an answer that does not read."""
     if isinstance(exc, ServiceStatusError):
         return exc.status in _TRANSIENT_STATUSES or exc.status >= 500
-    return isinstance(exc, (TransportError, httpx.HTTPError, OSError, orjson.JSONDecodeError, asyncio.TimeoutError))
+    return isinstance(exc, TransportError)
 
 
-_SERVICE_ERRORS = (ServiceCallError, httpx.HTTPError, OSError, orjson.JSONDecodeError, asyncio.TimeoutError)
+# Every failure of a client call is a ServiceCallError (an unreadable answer too: InvalidAnswer).
+_SERVICE_ERRORS = (ServiceCallError,)
 
 T = TypeVar("T")
 
@@ -815,13 +815,13 @@ def _tracker_unit(info: Any) -> TrackerWorker:
     return TrackerWorker(info.worker_id, info.model_name, info.tenant_id, info.block_size, info.dp_start, info.dp_size)
 
 
-def _indexer_units(infos: Sequence[dict[str, Any]]) -> set[IndexerRank]:
+def _indexer_units(infos: Sequence[IndexerWorker]) -> set[IndexerRank]:
     return {
-        IndexerRank(info["instance_id"], rank["dp_rank"], info["model_name"], info["tenant_id"],
-                    info["block_size"], rank.get("endpoint"), rank.get("replay_endpoint"))
+        IndexerRank(info.instance_id, rank.dp_rank, info.model_name, info.tenant_id, info.block_size, rank.endpoint,
+                    rank.replay_endpoint)
         for info in infos
-        for rank in info.get("ranks", ())
-        if rank.get("registered", True)
+        for rank in info.ranks
+        if rank.registered
     }
 
 

@@ -8,6 +8,7 @@ the pick's `RequestTracker`. A picker never sees protobuf; the protocol layer ne
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,17 +32,35 @@ class RequestInfo:
     subset: tuple[str, ...] | None  # the subset hint: None when the key is absent; () when empty
 
 
-class PickError(Exception):
-    """A request the picker will not place: answered as an ImmediateResponse `{"error": message}`."""
+# OpenAI's error `type` per status (what OpenAI clients read besides the status), and the
+# `code` when the picker gives none.
+_ERROR_TYPES = {429: "rate_limit_error"}
+_ERROR_CODES = {400: "invalid_request", 404: "not_found", 409: "conflict", 413: "request_too_large",
+                429: "rate_limit_exceeded", 500: "internal_error", 503: "service_unavailable", 504: "timeout"}
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+
+def error_body(status: int, message: str, code: str | None = None) -> bytes:
+    """An error answer in OpenAI's shape, as the engines behind the gateway answer theirs:
+    `{"error": {"message", "type", "param", "code"}}` (`type` `invalid_request_error` for a
+    4xx, `rate_limit_error` for 429, `server_error` for a 5xx)."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": code or _ERROR_CODES.get(status, str(status))}}).encode()
+
+
+class PickError(Exception):
+    """A request the picker will not place: answered as an ImmediateResponse in OpenAI's error
+    shape (`error_body`), with `code` as its machine-readable reason."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, *, code: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = dict(headers or {})
+        self.code = code
 
     def __repr__(self) -> str:
-        return f"PickError({self.status}, {self.message!r}, {self.headers!r})"
+        return f"PickError({self.status}, {self.message!r}, {self.headers!r}, code={self.code!r})"
 
 
 class RequestTracker(Protocol):

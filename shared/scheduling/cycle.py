@@ -116,6 +116,8 @@ class Scheduler:
         costs: list[RankCost] = []
         open_costs: list[RankCost] = []
         over_capacity: list[RankCost] = []
+        weighted = [(score, name, weight) for (score, name, _), weight in zip(scorers, weights)]
+        capacity_filter = config.kv_capacity_filter
         for view in views_list:
             load = view.load
             filtered = None
@@ -123,15 +125,20 @@ class Scheduler:
                 filtered = FILTER_BUSY
             elif threshold is not None and saturated(view.info, load.active_prefill_tokens, threshold):
                 filtered = FILTER_SATURATED
-            terms = tuple((name, weight * score(view)) for (score, name, _), weight in zip(scorers, weights))
+            terms = []
+            total = 0.0
+            for score, name, weight in weighted:
+                value = weight * score(view)
+                terms.append((name, value))
+                total += value
             cost = RankCost(load.worker_id, load.dp_rank, view.cached_tokens, view.uncached_tokens,
-                            view.prefill_tokens, load.potential_decode_blocks, load.active_requests, terms,
-                            sum(value for _, value in terms), filtered,
-                            view.predicted_ttft() if predicts_time else None, view.decode_steps, unit)
-            if filtered is None and config.kv_capacity_filter and over_kv_capacity(view):
-                over_capacity.append(cost)
-            elif filtered is None:
-                open_costs.append(cost)
+                            view.prefill_tokens, load.potential_decode_blocks, load.active_requests, tuple(terms),
+                            total, filtered, view.predicted_ttft() if predicts_time else None, view.decode_steps, unit)
+            if filtered is None:
+                if capacity_filter and over_kv_capacity(view):
+                    over_capacity.append(cost)
+                else:
+                    open_costs.append(cost)
             costs.append(cost)
         if over_capacity:
             if open_costs:

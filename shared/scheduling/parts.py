@@ -23,28 +23,35 @@ from .learning import decode_factor
 from .model import RankCost, RankInfo, RankState
 
 
-@dataclass(slots=True)
 class RankView:
-    """One candidate for one request (see the module docstring)."""
+    """One candidate for one request (see the module docstring). A plain slotted class, worked
+    out once per candidate: the cycle builds one per rank on every request.
 
-    load: RankState
-    info: RankInfo
-    timing: TimingModel
-    cached_tokens: int  # what the cycle believes cached there (the indexer's, or the session's)
-    uncached_tokens: int
-    prefill_tokens: int  # queued ahead + uncached: what must be prefilled before its first token
-    block_size: int
-    turnover: float = 0.0  # WriteWindow share relative to capacity share (1: even)
+    `cached_tokens`: what the cycle believes cached there (the indexer's, or the session's);
+    `prefill_tokens`: queued ahead + uncached, what must be prefilled before its first token;
+    `steps`: engine steps until then (the step budget takes the queue and it in turn);
+    `decode_steps`: those steps, each carrying the rank's running decode batch, in one-request
+    step units; `turnover`: the rank's share of the recent writes over its share of the capacity
+    (1: even), set by the cycle.
+    """
 
-    @property
-    def steps(self) -> int:
-        """Engine steps until its prompt is done: the step budget takes the queue and it in turn."""
-        return max(1, -(-self.prefill_tokens // max(1, self.info.max_num_batched_tokens)))
+    __slots__ = ("load", "info", "timing", "cached_tokens", "uncached_tokens", "prefill_tokens", "block_size",
+                 "turnover", "steps", "decode_steps")
 
-    @property
-    def decode_steps(self) -> float:
-        """Those steps, each carrying the rank's running decode batch, in one-request step units."""
-        return self.steps * decode_factor(self.timing, self.load.active_requests)
+    def __init__(self, load: RankState, info: RankInfo, timing: TimingModel, cached_tokens: int, uncached_tokens: int,
+                 prefill_tokens: int, block_size: int, turnover: float = 0.0) -> None:
+        self.load = load
+        self.info = info
+        self.timing = timing
+        self.cached_tokens = cached_tokens
+        self.uncached_tokens = uncached_tokens
+        self.prefill_tokens = prefill_tokens
+        self.block_size = block_size
+        self.turnover = turnover
+        budget = info.max_num_batched_tokens
+        self.steps = -(-prefill_tokens // budget) if prefill_tokens > budget > 0 else 1
+        running = load.active_requests
+        self.decode_steps = self.steps * decode_factor(timing, running) if running > 0 else 0.0
 
     def predicted_ttft(self) -> float:
         timing = self.timing

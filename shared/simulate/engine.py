@@ -42,6 +42,7 @@ from typing import Any
 from dynamo_lite.client import (
     AsyncIndexerClient,
     AsyncSlotTrackerClient,
+    IngestReport,
     ServiceCallError,
     ServiceStatusError,
 )
@@ -104,14 +105,13 @@ class IngestTotals:
     gap_count: int = 0
     first_problems: list[Any] = field(default_factory=list)
 
-    def add(self, report: dict[str, Any]) -> None:
+    def add(self, report: IngestReport) -> None:
         self.documents += 1
         for name in ("applied", "skipped", "rejected", "unknown_removals", "gap_count"):
-            setattr(self, name, getattr(self, name) + int(report.get(name, 0)))
-        for name in ("rejections", "gaps"):
-            for item in report.get(name, []):
-                if len(self.first_problems) < 5:
-                    self.first_problems.append(item)
+            setattr(self, name, getattr(self, name) + getattr(report, name))
+        for item in (*report.rejections, *report.gaps):
+            if len(self.first_problems) < 5:
+                self.first_problems.append(item)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +229,7 @@ class Simulation:
             return {"slot_tracker_idle_at_end": not busy}
         workers = await self.indexer.workers(self.model_name, TENANT)
         indexed = {
-            (info["instance_id"], rank["dp_rank"]): rank["blocks"] for info in workers for rank in info["ranks"]
+            (info.instance_id, rank.dp_rank): rank.blocks for info in workers for rank in info.ranks
         }
         mismatched = {
             f"{key[0]}/{key[1]}": {"simulated": state.cache.used, "indexer": indexed.get(key)}
