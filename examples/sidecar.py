@@ -118,8 +118,8 @@ async def replay(indexer_url: str, lines: Sequence[str], model_name: str, worker
                         raise ValueError(f"line {number}: unknown operation {operation!r}")
                 report = await sidecar.publish(events)
                 if report is not None:
-                    print(f"step {sidecar.step - 1}: {len(events)} events, applied {report['applied']}, "
-                          f"rejected {report['rejected']}, gaps {report['gap_count']}")
+                    print(f"step {sidecar.step - 1}: {len(events)} events, applied {report.applied}, "
+                          f"rejected {report.rejected}, gaps {report.gap_count}")
             (worker,) = await indexer.workers(model_name=model_name)
             print(f"worker {worker_id} holds {worker.ranks[0].blocks} blocks")
         finally:

@@ -218,12 +218,12 @@ def test_clients_send_the_key_from_the_environment_or_the_argument(tmp_path: Pat
             client.loads()
         assert missing.value.status == 401
 
-        async def pipelined() -> None:
-            async with AsyncSlotTrackerClient(tracker, pipelined=True, api_key=FILE_KEY) as client:
+        async def lean() -> None:
+            async with AsyncSlotTrackerClient(tracker, lean=True, api_key=FILE_KEY) as client:
                 await client.free("m", "nobody")
                 assert len(await client.potential_loads("m", [1, 2])) == 1
 
-        asyncio.run(pipelined())
+        asyncio.run(lean())
 
 
 def test_a_replica_started_with_peers_presents_its_key_to_their_dump(tmp_path: Path) -> None:
@@ -246,7 +246,7 @@ def test_an_indexer_started_with_peers_presents_its_key_to_their_dump(tmp_path: 
                     {"block_hash": 1, "tokens_hash": 2}]}}}}]}})  # a dump carries workers with blocks
         with keyed_service("indexer", tmp_path, "--peers", first, "--recovery-timeout-secs", "2") as second:
             with IndexerClient(second, api_key=FILE_KEY) as client:
-                assert [worker["instance_id"] for worker in client.workers()] == [8]
+                assert [worker.instance_id for worker in client.workers()] == [8]
 
 
 def test_the_simulator_clients_present_the_key(tmp_path: Path) -> None:

@@ -414,7 +414,7 @@ def test_the_command_line_wins_over_the_environment() -> None:
 
 @pytest.mark.parametrize("name, text, message", [
     ("DYNAMO_LITE_PORT", "70000", "outside 0..65535"),
-    ("DYNAMO_LITE_PORT", "eighty", "invalid literal"),
+    ("DYNAMO_LITE_PORT", "eighty", "is not a TCP port"),
     ("DYNAMO_LITE_REQUEST_TTL_SECS", "-1", "not a positive number"),
     ("DYNAMO_LITE_LOG_FORMAT", "xml", "invalid choice"),
     ("DYNAMO_LITE_ACCESS_LOG", "maybe", "expected one of"),
