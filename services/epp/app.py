@@ -68,20 +68,28 @@ class EppConfig:
     credentials: ClientCredentials = field(default_factory=ClientCredentials.from_env)
 
 
-class BusyThresholdEndpoint(http.DirectEndpoint):
+# What the picker's own routes answer until the picker and the pool watcher are up.
+STARTING: Answer = (503, http.error_body("starting"), b"application/json")
+
+
+class _PickerRoute(http.DirectEndpoint):
+    """A route of the picker's HTTP port reading the parts `run` puts in `holder` once up."""
+
+    def __init__(self, holder: dict[str, Any]) -> None:
+        self.holder = holder
+
+
+class BusyThresholdEndpoint(_PickerRoute):
     """`POST /busy_threshold`: change busy thresholds at run time (Dynamo's frontend has the same
     route): `{"active_decode_blocks_threshold": 512}` sets one, a null turns one off, `{}`
     changes nothing; the answer is the thresholds in force."""
 
     max_body = 64 * 1024
 
-    def __init__(self, holder: dict[str, Any]) -> None:
-        self.holder = holder
-
     def respond(self, query_string: bytes, body: bytes) -> Answer:
         picker: KvPicker | None = self.holder.get("picker")
         if picker is None:
-            return 503, http.error_body("starting"), b"application/json"
+            return STARTING
         changes = decode_json(body)
         if not isinstance(changes, dict):
             raise InvalidArgument("the body must be an object naming thresholds to change")
@@ -101,32 +109,26 @@ class BusyThresholdEndpoint(http.DirectEndpoint):
         return 200, orjson.dumps({name: getattr(busy, name) for name in THRESHOLDS}), b"application/json"
 
 
-class PoolEndpointList(http.DirectEndpoint):
+class PoolEndpointList(_PickerRoute):
     """`GET /pool`: the endpoints in force and whether both services know them."""
-
-    def __init__(self, holder: dict[str, Any]) -> None:
-        self.holder = holder
 
     def respond(self, query_string: bytes, body: bytes) -> Answer:
         watcher: PoolWatcher | None = self.holder.get("watcher")
         if watcher is None:
-            return 503, http.error_body("starting"), b"application/json"
+            return STARTING
         endpoints = [asdict(endpoint) for endpoint in watcher.pool]
         return 200, orjson.dumps({"ready": watcher.ready, "endpoints": endpoints}), b"application/json"
 
 
-class SchedulerState(http.DirectEndpoint):
+class SchedulerState(_PickerRoute):
     """`GET /scheduler`: the scheduling cycle in force and what it has learned per rank (the
     engines' rates fitted to the times to first token, their KV capacity, the share of the recent
     cache writes each took), for an operator asking why a request went where it went."""
 
-    def __init__(self, holder: dict[str, Any]) -> None:
-        self.holder = holder
-
     def respond(self, query_string: bytes, body: bytes) -> Answer:
         picker: KvPicker | None = self.holder.get("picker")
         if picker is None:
-            return 503, http.error_body("starting"), b"application/json"
+            return STARTING
         return 200, orjson.dumps(picker.scheduler_state()), b"application/json"
 
 

@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import schemathesis
 
-
-def _has_integral_float(value: object) -> bool:
-    if isinstance(value, float):
-        return value.is_integer()
-    if isinstance(value, dict):
-        return any(map(_has_integral_float, value.values()))
-    if isinstance(value, list):
-        return any(map(_has_integral_float, value))
-    return False
+from support.schema_support import has_integral_float
 
 
 @schemathesis.hook
 def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
     """JSON Schema calls 404.0 an integer; the services, like Dynamo's serde, answer 422 to any
     number written with a fraction or exponent (tested in the HTTP tests)."""
-    return not _has_integral_float(body)
+    return not has_integral_float(body)
