@@ -4,7 +4,7 @@
 
 A slot tracker runs on the server CPU; this process, on the client CPU, makes the picker's calls
 (`/potential_loads` with 256 hashes, `/add`, `/prefill_complete`, `/output_blocks`, `/free`)
-32 at a time for a few seconds per transport, and reports its own CPU time per call (what a
+one at a time and 32 at a time for a few seconds per transport, and reports its own CPU time per call (what a
 picker spends on each). Best of three rounds.
 """
 
@@ -23,7 +23,7 @@ from .servers import CLIENT_CPU, SERVER_CPU, reference_server
 
 ROUNDS = 3
 SECONDS = 3.0
-CONCURRENCY = 32
+CONCURRENCIES = (1, 32)  # one caller, and a busy picker's many pending calls
 HASHES = list(range(1000, 1256))
 
 
@@ -32,7 +32,7 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def _round(url: str, lean: bool, tag: str) -> float:
+async def _round(url: str, lean: bool, tag: str, concurrency: int) -> tuple[float, float]:
     async with AsyncSlotTrackerClient(url, lean=lean, timeout=10) as client:
         calls = 0
         stop = time.monotonic() + SECONDS
@@ -50,9 +50,9 @@ async def _round(url: str, lean: bool, tag: str) -> float:
                 await client.free("bench", request_id)
                 calls += 5
 
-        before = _cpu()
-        await asyncio.gather(*(worker(i) for i in range(CONCURRENCY)))
-        return (_cpu() - before) / calls * 1e6
+        before, started = _cpu(), time.monotonic()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        return (_cpu() - before) / calls * 1e6, calls / (time.monotonic() - started)
 
 
 def measure() -> dict[str, Any]:
@@ -69,9 +69,12 @@ def measure() -> dict[str, Any]:
 
         asyncio.run(setup())
         results = {}
-        for lean in (False, True):
-            name = "lean (one call per connection)" if lean else "httpx"
-            results[name] = min(asyncio.run(_round(str(url), lean, f"{lean}-{r}")) for r in range(ROUNDS))
+        for concurrency in CONCURRENCIES:
+            for lean in (False, True):
+                name = f"{'lean (one call per connection)' if lean else 'httpx'}, c={concurrency}"
+                cpu_us, per_second = min(asyncio.run(_round(str(url), lean, f"{lean}-{concurrency}-{r}", concurrency))
+                                         for r in range(ROUNDS))
+                results[name] = {"client_cpu_us_per_call": cpu_us, "calls_per_second": per_second}
         return results
 
 
@@ -80,8 +83,9 @@ def main() -> None:
     if "--json" in sys.argv[1:]:
         print(json.dumps(results))
         return
-    for name, us in results.items():
-        print(f"{name:<34} {us:7.1f} us of client CPU per call")
+    for name, row in results.items():
+        print(f"{name:<34} {row['client_cpu_us_per_call']:7.1f} us of client CPU per call, "
+              f"{row['calls_per_second']:7.0f} calls/s")
 
 
 if __name__ == "__main__":

@@ -19,11 +19,13 @@ from typing import Any
 
 # First match wins: (category, substrings of the file path).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # The picker's service client: the pipelined HTTP/1.1 transport (httptools parses in C, seen
-    # through its callbacks in pipelined.py), and httpx where a client still uses it.
-    ("slot tracker + indexer calls (service client)", ("/shared/pipelined.py", "/dynamo_lite/pipelined.py",
-                                                      "httptools", "/shared/client.py", "/dynamo_lite/client.py",
-                                                      "/httpx/", "/httpcore/", "/h11/", "/anyio/", "/sniffio/")),
+    # The picker's service client: the lean HTTP/1.1 transport (httptools parses in C, seen
+    # through its callbacks in lean_http.py), the typed answers' decoding, and httpx where a
+    # client still uses it.
+    ("slot tracker + indexer calls (service client)", ("/lean_http.py", "httptools", "/_client_base.py",
+                                                      "/_async_client.py", "/shared/client.py",
+                                                      "/dynamo_lite/client.py", "/httpx/", "/httpcore/", "/h11/",
+                                                      "/anyio/", "/sniffio/")),
     ("ext_proc stream (grpc.aio, protobuf, grpc_server.py)", ("/grpc/", "/google/protobuf/", "/envoy/", "/xds/",
                                                              "/validate/", "/udpa/", "epp/grpc_server.py",
                                                              "epp/health.py")),
