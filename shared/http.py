@@ -58,7 +58,7 @@ HandlerResult = tuple[int, JsonPayload]
 # completes, still in request order on its connection.
 LaterResult = Coroutine[Any, Any, HandlerResult]
 BodyHandler = Callable[[Any], HandlerResult | LaterResult]
-QueryHandler = Callable[["QueryParams"], HandlerResult]
+QueryHandler = Callable[["QueryParams"], HandlerResult | LaterResult]
 
 _JSON_HEADERS = b"application/json"
 
@@ -129,9 +129,13 @@ def is_json_content_type(value: bytes | None) -> bool:
     return media_type.startswith(b"application/") and media_type.endswith(b"+json")
 
 
-def body_refusal(content_type: bytes | None, content_length: bytes | None, max_body: int) -> ServiceError | None:
+def body_refusal(content_type: bytes | None, content_length: bytes | None, max_body: int,
+                 optional: bool = False) -> ServiceError | None:
     """Why a body cannot be taken, judged from the head alone (content type, then declared
-    size: the order in which Dynamo's services reject bodies), or None."""
+    size: the order in which Dynamo's services reject bodies), or None. `optional`: no body at
+    all (no content type, no or zero length) is taken too."""
+    if optional and content_type is None and content_length in (None, b"0"):
+        return None
     if not is_json_content_type(content_type):
         return UnsupportedMediaType("expected request with `Content-Type: application/json`")
     if content_length is not None:
@@ -148,9 +152,9 @@ def too_large(max_body: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"request body exceeds the limit of {max_body} bytes")
 
 
-async def read_body(scope: Scope, receive: Receive, max_body: int) -> bytes:
+async def read_body(scope: Scope, receive: Receive, max_body: int, optional: bool = False) -> bytes:
     """The bounded body of an ASGI request (the native server reads its own)."""
-    refusal = body_refusal(_header(scope, b"content-type"), _header(scope, b"content-length"), max_body)
+    refusal = body_refusal(_header(scope, b"content-type"), _header(scope, b"content-length"), max_body, optional)
     if refusal is not None:
         raise refusal
     chunks: list[bytes] = []
@@ -275,6 +279,9 @@ class DirectEndpoint(abc.ABC):
     """
 
     max_body: int = 0
+    # True: a request without a body (no Content-Type, no or zero Content-Length) is taken
+    # and read as b"" (a POST whose body is all optional fields).
+    optional_body: bool = False
     # True: the endpoint needs the request headers, and is called through
     # `respond_with_headers` instead of `respond` (see `HeadersEndpoint`). The native server
     # then keeps the headers of every request of its connections; apps without such an
@@ -314,7 +321,7 @@ class DirectEndpoint(abc.ABC):
         body = b""
         if self.max_body:
             try:
-                body = await read_body(scope, receive, self.max_body)
+                body = await read_body(scope, receive, self.max_body, self.optional_body)
             except ClientDisconnected:
                 return DISCONNECTED
             except ServiceError as exc:
@@ -410,11 +417,7 @@ class JsonBodyEndpoint(DirectEndpoint):
     def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
         if query_string:
             QueryParams(query_string, _NO_PARAMETERS)  # refuses any parameter, as GET routes do
-        result = self.handler(self.read(body))
-        if type(result) is tuple:
-            status, payload = result
-            return status, encode(payload), _JSON_HEADERS
-        return asyncio.ensure_future(_answer_later(cast(LaterResult, result)))
+        return _answer(self.handler(self.read(body)))
 
 
 async def _answer_later(result: Awaitable[HandlerResult]) -> Answer:
@@ -432,9 +435,82 @@ class JsonQueryEndpoint(DirectEndpoint):
         self.handler = handler
         self.parameters = parameters
 
-    def respond(self, query_string: bytes, body: bytes) -> Answer:
-        status, payload = self.handler(QueryParams(query_string, self.parameters))
+    def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
+        return _answer(self.handler(QueryParams(query_string, self.parameters)))
+
+
+# The parameters of a templated path (`/workers/{worker_id}` -> {"worker_id": "7"}), as sent:
+# percent-decoded, not yet typed; the handler parses them.
+PathParams = dict[str, str]
+
+
+class PathEndpoint(DirectEndpoint):
+    """An endpoint of a templated path (`/reservations/{selection_id}/prefill_complete`):
+    `respond_at(params, query_string, body)` answers a request, and the router hands the
+    server `bound(params)`, an endpoint for that one request."""
+
+    @abc.abstractmethod
+    def respond_at(self, params: PathParams, query_string: bytes, body: bytes) -> Answer | LaterAnswer: ...
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
+        return self.respond_at({}, query_string, body)
+
+    def bound(self, params: PathParams) -> DirectEndpoint:
+        return _BoundEndpoint(self, params)
+
+
+class _BoundEndpoint(DirectEndpoint):
+    """A `PathEndpoint` with one request's path parameters: what the servers call."""
+
+    def __init__(self, endpoint: PathEndpoint, params: PathParams) -> None:
+        self.endpoint = endpoint
+        self.params = params
+        self.max_body = endpoint.max_body
+        self.access = endpoint.access
+        self.optional_body = endpoint.optional_body
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
+        return self.endpoint.respond_at(self.params, query_string, body)
+
+
+PathBodyHandler = Callable[[PathParams, Any], HandlerResult | LaterResult]
+PathQueryHandler = Callable[[PathParams, "QueryParams"], HandlerResult | LaterResult]
+
+
+class PathBodyEndpoint(PathEndpoint):
+    """A templated route with a JSON body: `handler(params, read(body))`. With
+    `optional_body`, a request without a body (no `Content-Type`, nothing sent) reads as `b""`,
+    which `read` must accept."""
+
+    def __init__(self, handler: PathBodyHandler, *, read: Callable[[bytes], Any] = decode_json,
+                 max_body: int = DEFAULT_MAX_BODY, optional_body: bool = False) -> None:
+        self.handler = handler
+        self.read = read
+        self.max_body = max_body
+        self.optional_body = optional_body
+
+    def respond_at(self, params: PathParams, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
+        if query_string:
+            QueryParams(query_string, _NO_PARAMETERS)
+        return _answer(self.handler(params, self.read(body)))
+
+
+class PathQueryEndpoint(PathEndpoint):
+    """A templated route without a body (GET, DELETE): `handler(params, query parameters)`."""
+
+    def __init__(self, handler: PathQueryHandler, *, parameters: frozenset[str] = frozenset()) -> None:
+        self.handler = handler
+        self.parameters = parameters
+
+    def respond_at(self, params: PathParams, query_string: bytes, body: bytes) -> Answer | LaterAnswer:
+        return _answer(self.handler(params, QueryParams(query_string, self.parameters)))
+
+
+def _answer(result: HandlerResult | LaterResult) -> Answer | LaterAnswer:
+    if type(result) is tuple:
+        status, payload = result
         return status, encode(payload), _JSON_HEADERS
+    return asyncio.ensure_future(_answer_later(cast(LaterResult, result)))
 
 
 class StaticEndpoint(DirectEndpoint):
@@ -490,29 +566,46 @@ class ReadyEndpoint(DirectEndpoint):
 
 def post(
     path: str,
-    handler: BodyHandler,
+    handler: Any,
     *,
     request_type: type[RequestBody] | None = None,
     read: Callable[[bytes], Any] | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     access: Access = Access.WRITE,
+    method: str = "POST",
+    optional_body: bool = False,
 ) -> Route:
-    """A POST route; the handler gets the body as `request_type` (see `RequestBody`), or as
-    `read` returns it, or else as the decoded JSON document. `access`: READ for a query that
-    changes nothing (a read-only key may call it)."""
+    """A route with a JSON body (POST unless `method` says otherwise); the handler gets the
+    body as `request_type` (see `RequestBody`), or as `read` returns it, or else as the decoded
+    JSON document; on a templated path (`/workers/{worker_id}`) it gets the path's parameters
+    first. `access`: READ for a query that changes nothing (a read-only key may call it)."""
     if read is None:
         read = decoder(request_type) if request_type is not None else decode_json
-    endpoint = JsonBodyEndpoint(handler, read=read, max_body=max_body)
+    endpoint: DirectEndpoint
+    if "{" in path:
+        endpoint = PathBodyEndpoint(handler, read=read, max_body=max_body, optional_body=optional_body)
+    else:
+        endpoint = JsonBodyEndpoint(handler, read=read, max_body=max_body)
+        endpoint.optional_body = optional_body
     endpoint.access = access
-    return Route(path, endpoint, methods=["POST"])
+    return Route(path, endpoint, methods=[method])
 
 
-def get(path: str, handler: QueryHandler, *, parameters: frozenset[str] = frozenset(),
-        access: Access = Access.READ) -> Route:
-    """A GET route; `access`: WRITE for one only a full key may call (`/dump`: the whole state)."""
-    endpoint = JsonQueryEndpoint(handler, parameters=parameters)
+def get(path: str, handler: Any, *, parameters: frozenset[str] = frozenset(),
+        access: Access | None = None, method: str = "GET") -> Route:
+    """A route without a body (GET unless `method` says otherwise: DELETE); the handler gets
+    the query parameters, after the path's on a templated path. `access`: by default READ for
+    a GET, WRITE for another method; WRITE for a GET only a full key may call (`/dump`: the
+    whole state)."""
+    if access is None:
+        access = Access.READ if method == "GET" else Access.WRITE
+    endpoint: DirectEndpoint
+    if "{" in path:
+        endpoint = PathQueryEndpoint(handler, parameters=parameters)
+    else:
+        endpoint = JsonQueryEndpoint(handler, parameters=parameters)
     endpoint.access = access
-    return Route(path, endpoint, methods=["GET"])
+    return Route(path, endpoint, methods=[method])
 
 
 def health_route() -> Route:
@@ -582,6 +675,46 @@ class RouteEntry(NamedTuple):
     access: Access = Access.OPEN
 
 
+class MethodRoutes:
+    """The entries of a path that several endpoints serve, one per method (`POST /workers`
+    and `GET /workers`); each entry's `methods` is the path's, for the 405's `Allow`."""
+
+    __slots__ = ("by_method", "fallback")
+
+    def __init__(self, by_method: dict[str, RouteEntry]) -> None:
+        self.by_method = by_method
+        self.fallback = next(iter(by_method.values()))
+
+    def pick(self, method: str) -> RouteEntry:
+        return self.by_method.get(method, self.fallback)
+
+    def distinct(self) -> list[RouteEntry]:
+        """One entry per endpoint, its `methods` the ones it answers (GET's and HEAD's are one)."""
+        methods: dict[int, set[str]] = {}
+        entries: dict[int, RouteEntry] = {}
+        for method, entry in self.by_method.items():
+            methods.setdefault(id(entry), set()).add(method)
+            entries[id(entry)] = entry
+        return [entry._replace(methods=frozenset(methods[key])) for key, entry in entries.items()]
+
+
+PathRoutes = RouteEntry | MethodRoutes
+
+
+def _path_routes(path: str, routes: list[Route], series: RouteSeries) -> PathRoutes:
+    if len(routes) == 1:
+        return RouteEntry(frozenset(routes[0].methods or ()), cast(DirectEndpoint, routes[0].endpoint), series)
+    methods = frozenset(method for route in routes for method in route.methods or ())
+    by_method: dict[str, RouteEntry] = {}
+    for route in routes:
+        entry = RouteEntry(methods, cast(DirectEndpoint, route.endpoint), series)
+        for method in route.methods or ():
+            if method in by_method:
+                raise ValueError(f"two routes answer {method} {path}")
+            by_method[method] = entry
+    return MethodRoutes(by_method)
+
+
 def route_access(entry: RouteEntry, public_metrics: bool) -> Access:
     """The level a request's key must reach to call `entry` (see `dynamo_lite.auth`)."""
     endpoint = entry.endpoint
@@ -620,18 +753,29 @@ class Service(Starlette):
             self.metrics_registry.register(collector)
         super().__init__(routes=routes, lifespan=self._readiness(lifespan))
         self.state.ready = False
-        self.router.routes.append(Route("/ready", ReadyEndpoint(self.state), methods=["GET"]))
+        paths = {route.path for route in self.routes if isinstance(route, Route)}
+        if "/ready" not in paths:  # an app may answer readiness itself
+            self.router.routes.append(Route("/ready", ReadyEndpoint(self.state), methods=["GET"]))
         self.router.routes.append(Route("/metrics", MetricsEndpoint(self.metrics_registry), methods=["GET"]))
-        self._table: dict[str, RouteEntry] = {}
+        by_path: dict[str, list[Route]] = {}
         for route in self.routes:
             if not isinstance(route, Route) or not isinstance(route.endpoint, DirectEndpoint):
                 raise TypeError(f"route {getattr(route, 'path', route)!r} is not a DirectEndpoint route")
-            self._table[route.path] = RouteEntry(
-                frozenset(route.methods or ()), route.endpoint, self.request_metrics.route(route.path)
-            )
+            by_path.setdefault(route.path, []).append(route)
+        # Exact paths first (the hot routes: one dict lookup), then the templated ones in order.
+        self._table: dict[str, PathRoutes] = {}
+        self._templates: list[tuple[tuple[str, ...], PathRoutes]] = []
+        for path, same_path in by_path.items():
+            entries = _path_routes(path, same_path, self.request_metrics.route(path))
+            if "{" in path:
+                if not all(isinstance(route.endpoint, PathEndpoint) for route in same_path):
+                    raise TypeError(f"templated route {path!r} needs PathEndpoint endpoints")
+                self._templates.append((tuple(path.split("/")), entries))
+            else:
+                self._table[path] = entries
         self.unmatched_route = self.request_metrics.route(UNMATCHED_ROUTE)
         # Whether the native server must keep request headers for some route (`wants_headers`).
-        self.wants_headers = any(entry.endpoint.wants_headers for entry in self._table.values())
+        self.wants_headers = any(entry.endpoint.wants_headers for _, entry in self.entries())
         self.access_log: AccessLog | None = None
         self.api_keys: ApiKeys | None = None
 
@@ -639,15 +783,60 @@ class Service(Starlette):
         """Require `api_keys` on every route but the probes (and `/metrics` with
         `public_metrics`); refusals are counted in `/metrics`."""
         self.api_keys = api_keys
-        for path, entry in self._table.items():
-            self._table[path] = entry._replace(access=route_access(entry, api_keys.public_metrics))
+
+        def protected(entries: PathRoutes) -> PathRoutes:
+            if type(entries) is RouteEntry:
+                return entries._replace(access=route_access(entries, api_keys.public_metrics))
+            assert isinstance(entries, MethodRoutes)
+            return MethodRoutes({method: cast(RouteEntry, protected(entry)) for method, entry in entries.by_method.items()})
+
+        for _, entry in self.entries():
             if isinstance(entry.endpoint, OpenApiEndpoint):
                 entry.endpoint.protected = True
+        self._table = {path: protected(entries) for path, entries in self._table.items()}
+        self._templates = [(template, protected(entries)) for template, entries in self._templates]
         self.metrics_registry.register(ApiKeysCollector(api_keys))
 
-    def endpoint(self, path: str) -> RouteEntry | None:
-        """The methods, endpoint and metric series of `path`; None for a path that is no route."""
-        return self._table.get(path)
+    def endpoint(self, path: str, method: str) -> RouteEntry | None:
+        """The path's methods, and the endpoint, metric series and access of `method` on it
+        (a `method` the path does not take: another method's, and the server answers 405);
+        None for a path that is no route."""
+        entries = self._table.get(path)
+        if type(entries) is RouteEntry:
+            return entries
+        if entries is not None:
+            return cast(MethodRoutes, entries).pick(method)
+        return self._templated(path, method)
+
+    def _templated(self, path: str, method: str) -> RouteEntry | None:
+        segments = path.split("/")
+        for template, entries in self._templates:
+            if len(template) != len(segments):
+                continue
+            params: PathParams = {}
+            for expected, segment in zip(template, segments):
+                if expected[:1] == "{":
+                    if not segment:
+                        break
+                    params[expected[1:-1]] = segment
+                elif expected != segment:
+                    break
+            else:
+                entry = entries if type(entries) is RouteEntry else cast(MethodRoutes, entries).pick(method)
+                assert isinstance(entry.endpoint, PathEndpoint)
+                return entry._replace(endpoint=entry.endpoint.bound(params))
+        return None
+
+    def entries(self) -> Iterator[tuple[str, RouteEntry]]:
+        """Every (path, entry) of the app, for introspection: one per endpoint of a path that
+        several serve, its `methods` the ones it answers (templated paths as written:
+        `/workers/{worker_id}`)."""
+        tables = [*self._table.items(), *(("/".join(template), entries) for template, entries in self._templates)]
+        for path, entries in tables:
+            if type(entries) is RouteEntry:
+                yield path, entries
+            else:
+                yield from ((path, entry) for entry in cast(MethodRoutes, entries).distinct())
 
     def _readiness(self, lifespan: Lifespan | None) -> Lifespan:
         @contextlib.asynccontextmanager
@@ -666,7 +855,7 @@ class Service(Starlette):
             await super().__call__(scope, receive, send)  # the lifespan
             return
         start = perf_counter()
-        route = self._table.get(scope["path"])
+        route = self.endpoint(scope["path"], scope["method"])
         head = scope["method"] == "HEAD"
         if route is None:
             series, status = self.unmatched_route, 404
@@ -689,6 +878,11 @@ class Service(Starlette):
 
 __all__ = [
     "DEFAULT_MAX_BODY",
+    "MethodRoutes",
+    "PathBodyEndpoint",
+    "PathEndpoint",
+    "PathParams",
+    "PathQueryEndpoint",
     "DirectEndpoint",
     "Headers",
     "HeadersEndpoint",

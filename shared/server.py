@@ -421,7 +421,7 @@ class HttpConnection(asyncio.Protocol):
             raw_path, self.query_string = parsed.path or b"/", parsed.query or b""
         path = raw_path.decode("latin-1")
         self.path = path = unquote(path) if "%" in path else path
-        route = self.server.app.endpoint(path)
+        route = self.server.app.endpoint(path, method)
         if route is None:
             self.series = self.server.app.unmatched_route
             self._answer_early(404, NOT_FOUND_BODY, _JSON)
@@ -437,7 +437,7 @@ class HttpConnection(asyncio.Protocol):
                 return
         self.endpoint = endpoint
         if endpoint.max_body:
-            refusal = body_refusal(self.content_type, self.content_length, endpoint.max_body)
+            refusal = body_refusal(self.content_type, self.content_length, endpoint.max_body, endpoint.optional_body)
             if refusal is not None:
                 self._answer_early(*failure_answer(refusal))
                 return

@@ -78,11 +78,11 @@ def test_key_lists_and_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize("service", sorted(APPS))
 def test_without_keys_every_route_is_open_and_with_keys_only_the_probes(service: str) -> None:
     app: Service = APPS[service]()
-    assert {entry.access for entry in app._table.values()} == {Access.OPEN}
+    assert {entry.access for _, entry in app.entries()} == {Access.OPEN}
     app.protect(ApiKeys.from_texts(["w"]))
-    open_routes = {path for path, entry in app._table.items() if entry.access is Access.OPEN}
+    open_routes = {path for path, entry in app.entries() if entry.access is Access.OPEN}
     assert open_routes == {"/health", "/ready"}
-    assert app._table["/dump"].access is Access.WRITE  # the whole state: replicas, not gateways
+    assert dict(app.entries())["/dump"].access is Access.WRITE  # the whole state: replicas, not gateways
 
 
 @pytest.mark.parametrize("service", sorted(APPS))
@@ -125,7 +125,7 @@ def keyed_service(service: str, tmp_path: Path, *flags: str) -> Iterator[ServerU
 def routes(service: str) -> list[tuple[str, str, Access]]:
     app: Service = APPS[service]()
     app.protect(ApiKeys.from_texts(["x"]))
-    return [(method, path, entry.access) for path, entry in sorted(app._table.items())
+    return [(method, path, entry.access) for path, entry in sorted(app.entries(), key=lambda pair: pair[0])
             for method in sorted(entry.methods - {"HEAD"})]
 
 

@@ -39,7 +39,8 @@ def make_app() -> http.Service:
 class ServerThread:
     """The native server on its own event loop in a thread (no signal handling needed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, app: http.Service | None = None) -> None:
+        self.app = app if app is not None else make_app()
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -50,7 +51,7 @@ class ServerThread:
         asyncio.set_event_loop(self.loop)
 
         async def start() -> None:
-            self.server = HttpServer(make_app(), ConnectionLimits())
+            self.server = HttpServer(self.app, ConnectionLimits())
             self.listener = await self.loop.create_server(self.server, "127.0.0.1", 0)
             self.url = f"http://127.0.0.1:{self.listener.sockets[0].getsockname()[1]}"
             self.ready.set()
