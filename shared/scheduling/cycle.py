@@ -243,11 +243,7 @@ class Scheduler:
         steps batch several prompts together and the queue's tokens are not all ahead of it, an
         error that grows with the load. Fitted in, it would make the busiest engines look the
         fastest, and draw still more requests to them."""
-        import os
-        mode = os.environ.get("LEARN_MODE", "q0")
-        if mode == "q0" and cost.prefill_tokens != cost.uncached_tokens:
-            return
-        if mode == "idle" and (cost.prefill_tokens != cost.uncached_tokens or cost.active_requests):
+        if cost.prefill_tokens != cost.uncached_tokens:
             return
         self.rates.observe_ttft(cost.key, cost.prefill_tokens, cost.decode_steps, seconds)
 
