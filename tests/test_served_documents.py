@@ -6,6 +6,7 @@ only fields every valid body has."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,10 +20,22 @@ TESTS = Path(__file__).resolve().parent
 KEY = "served-documents-key"
 
 
+# The selection service starts with two schedulable workers (engines that never publish), so
+# that generated selections reach a pick and the stateful phase the reservations.
+SELECT_WORKERS = [{"worker_id": worker_id, "model_name": "default", "endpoint": f"http://127.0.0.1:{9000 + worker_id}",
+                   "block_size": 16, "kv_events_endpoint": f"tcp://127.0.0.1:{1 + worker_id}"} for worker_id in (0, 1)]
+
+
 @pytest.mark.parametrize("keyed", [False, True], ids=["open", "keyed"])
-@pytest.mark.parametrize("service", ["slot_tracker", "indexer"])
-def test_schemathesis_with_every_check_finds_nothing(service: str, keyed: bool) -> None:
-    flags = ("--api-key", KEY) if keyed else ()
+@pytest.mark.parametrize("service", ["slot_tracker", "indexer", "select_service"])
+def test_schemathesis_with_every_check_finds_nothing(service: str, keyed: bool, tmp_path: Path) -> None:
+    flags: tuple[str, ...] = ("--api-key", KEY) if keyed else ()
+    config = "schemathesis.toml"
+    if service == "select_service":
+        workers = tmp_path / "workers.json"
+        workers.write_text(json.dumps(SELECT_WORKERS))
+        flags += ("--workers", str(workers))
+        config = "schemathesis_select.toml"
     with running_service(service, *flags) as url:
         headers = {"authorization": f"Bearer {KEY}"} if keyed else {}
         document = httpx.get(f"{url}/openapi.json", headers=headers).json()
@@ -30,7 +43,7 @@ def test_schemathesis_with_every_check_finds_nothing(service: str, keyed: bool) 
         assert ("bearerKey" in document.get("components", {}).get("securitySchemes", {})) is keyed
         if keyed:
             assert httpx.get(f"{url}/openapi.json").status_code == 401
-        run = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(TESTS / "support" / "schemathesis.toml"),
+        run = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(TESTS / "support" / config),
                "run", f"{url}/openapi.json", "--checks", "all", "--phases", "examples,coverage,fuzzing,stateful",
                "--max-examples", "5", "--seed", "1", "--no-color"]
         if keyed:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from dynamo_lite.cli import (
     add_client_arguments,
@@ -23,7 +21,8 @@ from dynamo_lite.cli import (
     serve,
     service_parser,
 )
-from dynamo_lite.scheduling import COSTS, SchedulerConfig, SchedulerConfigError, load_config, preset
+from dynamo_lite.scheduling import SchedulerConfigError
+from dynamo_lite.scheduling.flags import add_scheduling_arguments, scheduler_config
 
 from .app import DEFAULT_ENGINE_METRICS_SECS, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EppConfig, create_app
 from .picker import (
@@ -99,24 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="how often the pool file is checked for changes (and unregistered endpoints retried)")
     routing = parser.add_argument_group(
         "routing (the scheduling cycle: docs/routing.md; a flag given here overrides --scheduler-config)")
-    routing.add_argument("--cost", choices=COSTS, default=None,
-                         help="ttft (default): the least predicted time to first token plus what the request's cache "
-                         "writes cost later requests; dynamo: Dynamo's overlap_weight * prefill_blocks + decode_blocks")
-    routing.add_argument("--scheduler-config", type=Path, default=None, metavar="FILE",
-                         help="YAML file naming the scorers and their weights, the temperature, busy thresholds, "
-                         "sessions and the engines' timing (docs/routing.md); --cost picks a preset instead")
-    routing.add_argument("--overlap-score-weight", "--router-kv-overlap-score-weight", dest="overlap_score_weight",
-                         type=non_negative_float, default=None,
-                         help="with --cost dynamo: cost = weight * prefill_blocks + decode_blocks (default 1; 0 "
-                         "ignores the cache)")
-    routing.add_argument("--router-temperature", type=non_negative_float, default=None,
-                         help="0 (default): the cheapest rank; higher: softmax sampling over normalised costs")
-    routing.add_argument("--active-decode-blocks-threshold", type=non_negative_int, default=None,
-                         help="a rank whose decode blocks with this request would exceed this is busy")
-    routing.add_argument("--active-prefill-tokens-threshold", type=non_negative_int, default=None,
-                         help="a rank with more active prefill tokens than this is busy")
-    routing.add_argument("--active-prefill-tokens-threshold-frac", type=non_negative_float, default=None,
-                         help="... or more than this fraction of its max_num_batched_tokens")
+    add_scheduling_arguments(routing)
     routing.add_argument("--session-header", default=DEFAULT_SESSION_HEADER,
                          help="request header naming the conversation: its requests stay where its cache is while "
                          "that is not too costly ('' turns sessions off)")
@@ -152,31 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    """The scheduling cycle from --scheduler-config or --cost, then the flags given on top."""
-    if args.scheduler_config is not None and args.cost is not None:
-        raise SchedulerConfigError("--cost and --scheduler-config go one or the other (the file may say `cost:`)")
-    config = load_config(args.scheduler_config) if args.scheduler_config is not None else preset(args.cost or "ttft")
-    changes: dict[str, Any] = {}
-    if args.overlap_score_weight is not None:
-        if "prefill_blocks" not in config.weights:
-            raise SchedulerConfigError(
-                f"--overlap-score-weight is a weight of Dynamo's cost (--cost dynamo); the {config.cost!r} cost in "
-                "force has no prefill_blocks scorer (docs/routing.md)")
-        changes["scorers"] = tuple((name, args.overlap_score_weight if name == "prefill_blocks" else weight)
-                                   for name, weight in config.scorers)
-    if args.router_temperature is not None:
-        changes["temperature"] = args.router_temperature
-    thresholds = {name: getattr(args, name) for name in ("active_decode_blocks_threshold",
-                  "active_prefill_tokens_threshold", "active_prefill_tokens_threshold_frac")
-                  if getattr(args, name) is not None}
-    if thresholds:
-        changes["busy"] = replace(config.busy, **thresholds)
-    if args.session_affinity_ttl_secs is not None:
-        changes["session_ttl_secs"] = args.session_affinity_ttl_secs
-    return replace(config, **changes) if changes else config
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
@@ -189,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     check_security_arguments(parser, args)
     configure_logging(args.log_level, args.log_format)
     try:
-        scheduler = scheduler_config(args)
+        scheduler = scheduler_config(args, session_ttl_secs=args.session_affinity_ttl_secs)
     except SchedulerConfigError as exc:
         parser.error(str(exc))
     settings = PickerSettings(

@@ -388,9 +388,11 @@ class SlotTracker:
         request.slot.prefill_tokens -= request.prefill_tokens
         request.prefill_tokens = 0
 
-    def set_output_blocks(self, model_name: str, tenant_id: str, request_id: str, output_blocks: int) -> None:
+    def set_output_blocks(self, model_name: str, tenant_id: str, request_id: str, output_blocks: int,
+                          *, may_shrink: bool = False) -> None:
         """Sets how many output blocks the request holds now: an absolute count, so a retried
-        call changes nothing, and one smaller than the last is a conflict (output only grows).
+        call changes nothing, and one smaller than the last is a conflict (output only grows)
+        unless `may_shrink` (the selection service's decayed output load shrinks by design).
         They add to its rank's decode blocks until the request is freed or expires. O(1).
 
         The TTL still counts from /add, as for every request (and in Dynamo): it bounds how
@@ -400,7 +402,7 @@ class SlotTracker:
         request = partition.requests.get(request_id)
         if request is None:
             raise NotFound(f"request {request_id} not found")
-        if output_blocks < request.output_blocks:
+        if output_blocks < request.output_blocks and not may_shrink:
             raise Conflict(
                 f"request {request_id} already holds {request.output_blocks} output blocks; "
                 f"the count cannot shrink to {output_blocks}"

@@ -1,0 +1,121 @@
+"""`python -m dynamo_lite.select_service`: run the selection service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from dynamo_lite.cli import (
+    add_security_arguments,
+    check_security_arguments,
+    configure_logging,
+    non_negative_float,
+    non_negative_int,
+    parse_args,
+    peer_credentials,
+    peer_urls,
+    positive_float,
+    serve,
+    service_parser,
+)
+from dynamo_lite.indexer.listeners import DEFAULT_REPLAY_TIMEOUT_SECS
+from dynamo_lite.scheduling import SchedulerConfigError
+from dynamo_lite.scheduling.flags import add_scheduling_arguments, scheduler_config
+
+from .affinity import MAX_TTL_SECS, MIN_TTL_SECS
+from .app import DEFAULT_RECOVERY_DEADLINE_SECS, SelectServiceConfig, create_app, load_workers
+from .core import DEFAULT_REQUEST_TTL_SECS, SelectionSettings
+from .pending import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_TTL_SECS
+
+DEFAULT_PORT = 8092
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = service_parser(
+        "python -m dynamo_lite.select_service",
+        "Worker selection in one call per request (Dynamo selection service API): a worker catalog whose KV "
+        "events it subscribes to, /select, /select_and_reserve and the reservation lifecycle.",
+        DEFAULT_PORT,
+    )
+    selection = parser.add_argument_group("selection (the scheduling cycle: docs/routing.md)")
+    add_scheduling_arguments(selection)
+    selection.add_argument("--no-router-track-prefill-tokens", dest="track_prefill_tokens", action="store_false",
+                           help="do not book a request's prompt as prefill load until its first token")
+    selection.add_argument("--no-router-assume-kv-reuse", dest="assume_kv_reuse", action="store_false",
+                           help="count every booked block as the request's own (random hashes), as for decode "
+                           "workers that do not reuse transferred blocks")
+    selection.add_argument("--seed", type=int, default=None, help="seed of tie-breaking and sampling")
+    sessions = parser.add_argument_group("sessions and pending selections")
+    sessions.add_argument("--session-affinity-ttl-secs", type=_session_ttl, default=None,
+                          help="bind each session (session_id of a request) to the rank its first booked request "
+                          f"went to, until this long after its last request ended ({MIN_TTL_SECS:g} to "
+                          f"{MAX_TTL_SECS:g} s; default: no session affinity)")
+    sessions.add_argument("--selection-cache-ttl-secs", type=non_negative_float, default=DEFAULT_TTL_SECS,
+                          help="how long a /select with a selection_id is kept for a POST /reservations to book")
+    sessions.add_argument("--selection-cache-max-entries", type=non_negative_int, default=DEFAULT_MAX_ENTRIES,
+                          help="at most this many pending selections (the oldest evicted first)")
+    sessions.add_argument("--selection-cache-max-bytes", type=non_negative_int, default=DEFAULT_MAX_BYTES,
+                          help="at most about this many bytes of pending selections (8 per block hash)")
+    sessions.add_argument("--request-ttl-secs", type=positive_float, default=DEFAULT_REQUEST_TTL_SECS,
+                          help="drop a booking this many seconds after it was made if it was never freed")
+    index = parser.add_argument_group("workers, KV events and recovery")
+    index.add_argument("--workers", type=Path, default=None, metavar="FILE",
+                       help="JSON or YAML list of worker records (POST /workers bodies) registered at start-up")
+    index.add_argument("--indexer-peers", type=peer_urls, default=(), metavar="URL[,URL...]",
+                       help="at start-up, copy the index from the first of these (selection services or indexers) "
+                       "that answers GET /dump; workers are not copied: register them again")
+    index.add_argument("--recovery-timeout-secs", type=positive_float, default=DEFAULT_RECOVERY_DEADLINE_SECS,
+                       help="how long to keep trying --indexer-peers before starting with an empty index")
+    index.add_argument("--replay-timeout-secs", type=positive_float, default=DEFAULT_REPLAY_TIMEOUT_SECS,
+                       help="how long to wait for an engine's replay of the batches a subscription missed")
+    add_security_arguments(parser)
+    return parser
+
+
+def _session_ttl(text: str) -> float:
+    value = positive_float(text)
+    if not MIN_TTL_SECS <= value <= MAX_TTL_SECS:
+        raise argparse.ArgumentTypeError(f"{text} is not between {MIN_TTL_SECS:g} and {MAX_TTL_SECS:g}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    check_security_arguments(parser, args)
+    configure_logging(args.log_level, args.log_format)
+    try:
+        scheduler = scheduler_config(args)
+        workers = load_workers(args.workers) if args.workers is not None else ()
+    except (SchedulerConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    settings = SelectionSettings(
+        scheduler=scheduler,
+        selection_cache_ttl_secs=args.selection_cache_ttl_secs,
+        selection_cache_max_entries=args.selection_cache_max_entries,
+        selection_cache_max_bytes=args.selection_cache_max_bytes,
+        session_affinity_ttl_secs=args.session_affinity_ttl_secs,
+        request_ttl_secs=args.request_ttl_secs,
+        track_prefill_tokens=args.track_prefill_tokens,
+        assume_kv_reuse=args.assume_kv_reuse,
+        seed=args.seed,
+    )
+    logging.getLogger("dynamo_lite.select_service").info(
+        "starting selection service on %s:%d (cost %s, temperature %g, session affinity %s)%s", args.host, args.port,
+        scheduler.cost, scheduler.temperature,
+        f"{args.session_affinity_ttl_secs:g} s" if args.session_affinity_ttl_secs else "off",
+        f" (index from peers: {', '.join(args.indexer_peers)})" if args.indexer_peers else "",
+    )
+    serve(create_app(SelectServiceConfig(
+        selection=settings,
+        indexer_peers=args.indexer_peers,
+        recovery_deadline_secs=args.recovery_timeout_secs,
+        replay_timeout_secs=args.replay_timeout_secs,
+        peer_credentials=peer_credentials(args),
+        workers=workers,
+    )), args)
+
+
+if __name__ == "__main__":
+    main()

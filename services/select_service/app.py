@@ -1,0 +1,314 @@
+"""HTTP shell of the selection service: decode the request type, call `SelectionCore`, shape the
+answer; subscribe to the engines a catalog change names (`ListenerChanges`).
+
+Routes, bodies, answers and status codes follow Dynamo 1.6.1's `dynamo.select_service`
+(docs/select-service.md; the differences are in docs/differences.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.routing import Route
+
+from dynamo_lite import http
+from dynamo_lite.auth import Access
+from dynamo_lite.credentials import ClientCredentials
+from dynamo_lite.errors import InvalidArgument, ServiceError
+from dynamo_lite.http import Answer, HandlerResult, PathParams, QueryParams
+from dynamo_lite.indexer.listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners
+from dynamo_lite.indexer.metrics import ListenerCollector
+from dynamo_lite.indexer.peers import recover
+from dynamo_lite.integers import U64_MAX
+from dynamo_lite.metrics import PREFIX
+
+from .core import ListenerChanges, SelectionCore, SelectionSettings
+from .protocols import (
+    OutputBlockRequest,
+    QueryRequest,
+    ReservationRequest,
+    SelectRequest,
+    WorkerPatch,
+    WorkerRequest,
+    optional_reader,
+    reader,
+)
+
+logger = logging.getLogger("dynamo_lite.select_service")
+
+OPENAPI_PATH = Path(__file__).with_name("openapi.yaml")
+# Dynamo's body limit: a 4M-token prompt's ids fit (its JSON is about 8 bytes a token).
+MAX_BODY = 8 * 1024 * 1024
+DEFAULT_SWEEP_INTERVAL_SECS = 1.0
+DEFAULT_RECOVERY_DEADLINE_SECS = 10.0
+OK = http.Encoded(b'{"status":"ok"}')
+_FILTERS = frozenset({"model_name", "routing_group", "tenant_id"})
+
+
+@dataclass(frozen=True)
+class SelectServiceConfig:
+    """Everything the app is started with (`python -m dynamo_lite.select_service` builds it from
+    its flags; the defaults are the flags' defaults)."""
+
+    selection: SelectionSettings = field(default_factory=SelectionSettings)
+    indexer_peers: tuple[str, ...] = ()  # selection services or indexers whose /dump seeds the index
+    recovery_deadline_secs: float = DEFAULT_RECOVERY_DEADLINE_SECS
+    replay_timeout_secs: float = DEFAULT_REPLAY_TIMEOUT_SECS
+    sweep_interval_secs: float = DEFAULT_SWEEP_INTERVAL_SECS
+    peer_credentials: ClientCredentials = ClientCredentials()
+    workers: tuple[WorkerRequest, ...] = ()  # registered at start-up, after the peers' index (--workers)
+
+
+def load_workers(path: Path) -> tuple[WorkerRequest, ...]:
+    """`--workers FILE`: a JSON or YAML list of `POST /workers` bodies (or `{"workers": [...]}`);
+    ValueError naming the entry that cannot be read."""
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if isinstance(document, dict) and "workers" in document:
+        document = document["workers"]
+    if not isinstance(document, list):
+        raise ValueError(f"{path}: expected a list of worker records (or {{\"workers\": [...]}})")
+    read = reader(WorkerRequest)
+    workers = []
+    for index, entry in enumerate(document):
+        try:
+            workers.append(read(orjson.dumps(entry)))
+        except (ServiceError, TypeError) as exc:
+            raise ValueError(f"{path}: worker {index}: {getattr(exc, 'message', exc)}") from None
+    return tuple(workers)
+
+
+def _worker_id(params: PathParams) -> int:
+    text = params["worker_id"]
+    if not text.isdigit() or int(text) > U64_MAX:
+        raise InvalidArgument(f"Invalid URL: Cannot parse `{text}` to a `u64`")
+    return int(text)
+
+
+class SelectRoutes:
+    """One method per route; each returns (status, JSON-serialisable payload)."""
+
+    def __init__(self, core: SelectionCore, listeners: Listeners) -> None:
+        self.core = core
+        self.listeners = listeners
+
+    def _apply(self, changes: ListenerChanges) -> None:
+        self.listeners.stop(changes.stop)
+        for subscription in changes.start:
+            self.listeners.start(subscription)
+            logger.info("worker %d dp_rank %d of model=%s routing_group=%s: subscribing to %s%s",
+                        subscription.worker_id, subscription.dp_rank, subscription.model_name,
+                        subscription.tenant_id, subscription.endpoint,
+                        f" (replay: {subscription.replay_endpoint})" if subscription.replay_endpoint else "")
+
+    # --- the catalog ----------------------------------------------------------------------------
+
+    def upsert_worker(self, request: WorkerRequest) -> HandlerResult:
+        record, changes = self.core.upsert_worker(request)
+        self._apply(changes)
+        _log_record("registered", record)
+        return 201, record
+
+    def patch_worker(self, params: PathParams, patch: WorkerPatch) -> HandlerResult:
+        record, changes = self.core.patch_worker(_worker_id(params), patch)
+        self._apply(changes)
+        _log_record("patched", record)
+        return 200, record
+
+    def delete_worker(self, params: PathParams, query: QueryParams) -> HandlerResult:
+        record, changes = self.core.delete_worker(_worker_id(params))
+        self._apply(changes)
+        logger.info("worker %d removed", record["worker_id"])
+        return 200, record
+
+    def workers(self, params: QueryParams) -> HandlerResult:
+        model_name, routing_group = _filters(params)
+        return 200, self.core.workers(model_name, routing_group)
+
+    # --- selection ------------------------------------------------------------------------------
+
+    def select(self, request: SelectRequest) -> HandlerResult:
+        return 200, self.core.select(request)
+
+    def select_and_reserve(self, request: SelectRequest) -> HandlerResult:
+        return 200, self.core.select_and_reserve(request)
+
+    def reserve(self, request: ReservationRequest) -> HandlerResult:
+        return 201, self.core.reserve(request)
+
+    def prefill_complete(self, params: PathParams, body: Any) -> HandlerResult:
+        self.core.prefill_complete(params["selection_id"])
+        return 200, OK
+
+    def output_block(self, params: PathParams, request: OutputBlockRequest | None) -> HandlerResult:
+        self.core.output_block(params["selection_id"], request)
+        return 200, OK
+
+    def free(self, params: PathParams, query: QueryParams) -> HandlerResult:
+        self.core.free(params["selection_id"])
+        return 200, OK
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    def loads(self, params: QueryParams) -> HandlerResult:
+        return 200, self.core.loads(*_filters(params))
+
+    def potential_loads(self, request: QueryRequest) -> HandlerResult:
+        return 200, self.core.potential_loads(request)
+
+    def overlap_scores(self, request: QueryRequest) -> HandlerResult:
+        return 200, self.core.overlap_scores(request)
+
+    def dump(self, params: QueryParams) -> HandlerResult:
+        return 200, self.core.dump()
+
+
+def _filters(params: QueryParams) -> tuple[str | None, str | None]:
+    group = params.get("routing_group")
+    tenant = params.get("tenant_id")
+    if group is not None and tenant is not None and group != tenant:
+        raise InvalidArgument(f"tenant_id `{tenant}` and its alias routing_group `{group}` differ; send one")
+    return params.get("model_name"), group if group is not None else tenant
+
+
+def _log_record(what: str, record: dict[str, Any]) -> None:
+    reasons = record.get("not_schedulable_reasons")
+    logger.info("worker %d %s for model=%s routing_group=%s: %s%s", record["worker_id"], what, record["model_name"],
+                record["routing_group"], record["lifecycle"], f" ({'; '.join(reasons)})" if reasons else "")
+
+
+class ReadyEndpoint(http.DirectEndpoint):
+    """`GET /ready`: 200 when a worker is schedulable, 503 otherwise (and while starting or
+    stopping), with the catalog either way, as Dynamo answers it."""
+
+    access = Access.OPEN
+
+    def __init__(self, core: SelectionCore) -> None:
+        self.core = core
+        self.started = False  # set once the start-up (peer recovery) is over
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        ready, answer = self.core.ready()
+        if not self.started:
+            ready = answer["ready"] = False
+        return (200 if ready else 503), http.encode(answer), b"application/json"
+
+
+class SelectCollector(Collector):
+    def __init__(self, core: SelectionCore) -> None:
+        self.core = core
+
+    def collect(self) -> Iterator[Metric]:
+        namespace = PREFIX + "select_"
+        lifecycles = GaugeMetricFamily(namespace + "workers", "workers in the catalog, by lifecycle",
+                                       labels=["lifecycle"])
+        counts = dict.fromkeys(("incomplete", "schedulable"), 0)
+        for record in self.core.catalog.values():
+            counts[record.lifecycle] = counts.get(record.lifecycle, 0) + 1
+        for lifecycle, count in counts.items():
+            lifecycles.add_metric([lifecycle], count)
+        yield lifecycles
+        yield GaugeMetricFamily(namespace + "reservations", "bookings in flight (reserved and not yet freed)",
+                                len(self.core.reservations))
+        pending = self.core.pending
+        yield GaugeMetricFamily(namespace + "pending_selections", "selections kept for a later /reservations",
+                                len(pending))
+        yield GaugeMetricFamily(namespace + "pending_selection_bytes", "their estimated size", pending.bytes)
+        yield CounterMetricFamily(namespace + "pending_selections_evicted", "pushed out by the count or byte bound",
+                                  pending.evicted_total)
+        yield CounterMetricFamily(namespace + "pending_selections_expired", "dropped after their TTL",
+                                  pending.expired_total)
+        if self.core.sessions is not None:
+            yield GaugeMetricFamily(namespace + "session_bindings", "sessions bound to a rank",
+                                    len(self.core.sessions))
+
+
+def _open(endpoint: http.DirectEndpoint) -> http.DirectEndpoint:
+    endpoint.access = Access.OPEN  # probes carry no key
+    return endpoint
+
+
+async def _sweep_forever(core: SelectionCore, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        expired = core.expire()
+        if expired:
+            logger.info("expired %d bookings older than %ss", expired, core.settings.request_ttl_secs)
+        if core.sessions is not None:
+            core.sessions.sweep()
+
+
+def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: SelectionCore | None = None) -> http.Service:
+    """The selection service app. Start-up merges the first reachable `indexer_peers`' dump into
+    the index (workers are not recovered: register them again); shutdown refuses new selections,
+    then closes the engine subscriptions."""
+    core = core if core is not None else SelectionCore(config.selection)
+    listeners = Listeners(core.indexer, replay_timeout_secs=config.replay_timeout_secs)
+    routes = SelectRoutes(core, listeners)
+    readiness = ReadyEndpoint(core)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: http.Service) -> AsyncIterator[None]:
+        if config.indexer_peers:
+            await recover(core.indexer, list(config.indexer_peers), deadline_secs=config.recovery_deadline_secs,
+                          credentials=config.peer_credentials)
+        for worker in config.workers:
+            routes.upsert_worker(worker)
+        sweeper = asyncio.create_task(_sweep_forever(core, config.sweep_interval_secs))
+        readiness.started = True
+        try:
+            yield
+        finally:
+            core.shutting_down = True
+            readiness.started = False
+            sweeper.cancel()
+            await asyncio.gather(sweeper, return_exceptions=True)
+            await listeners.close()
+
+    read_output_block = optional_reader(OutputBlockRequest)
+    app = http.Service(
+        routes=[
+            Route("/health", _open(http.StaticEndpoint(OK)), methods=["GET"]),
+            Route("/ready", readiness, methods=["GET"]),
+            http.post("/workers", routes.upsert_worker, read=reader(WorkerRequest)),
+            http.get("/workers", routes.workers, parameters=_FILTERS),
+            http.post("/workers/{worker_id}", routes.patch_worker, read=reader(WorkerPatch), method="PATCH"),
+            http.get("/workers/{worker_id}", routes.delete_worker, method="DELETE"),
+            http.post("/select", routes.select, read=reader(SelectRequest), max_body=MAX_BODY, access=Access.READ),
+            http.post("/select_and_reserve", routes.select_and_reserve, read=reader(SelectRequest),
+                      max_body=MAX_BODY),
+            http.post("/reservations", routes.reserve, read=reader(ReservationRequest), max_body=MAX_BODY),
+            http.post("/reservations/{selection_id}/prefill_complete", routes.prefill_complete,
+                      read=lambda body: body, optional_body=True),
+            http.post("/reservations/{selection_id}/output_block", routes.output_block, read=read_output_block,
+                      optional_body=True),
+            http.get("/reservations/{selection_id}", routes.free, method="DELETE"),
+            http.post("/potential_loads", routes.potential_loads, read=reader(QueryRequest), max_body=MAX_BODY,
+                      access=Access.READ),
+            http.post("/overlap_scores", routes.overlap_scores, read=reader(QueryRequest), max_body=MAX_BODY,
+                      access=Access.READ),
+            http.get("/loads", routes.loads, parameters=_FILTERS),
+            http.get("/dump", routes.dump, access=Access.WRITE),  # the whole index: peers, not gateways
+            http.openapi_route(OPENAPI_PATH),
+        ],
+        lifespan=lifespan,
+        collectors=[SelectCollector(core), ListenerCollector(listeners)],
+    )
+    app.state.core = core
+    app.state.listeners = listeners
+    return app
+
+
+__all__ = ["MAX_BODY", "SelectRoutes", "SelectServiceConfig", "create_app", "load_workers"]
