@@ -1,0 +1,132 @@
+"""The selection service as a user meets it: started as a process, two engine stand-ins
+registered with `POST /workers`, one call per request answering the engine that caches the
+prompt, and the reservation lifecycle bringing the load back to zero. Also its process-level
+behaviour: `--workers` at start-up, `--indexer-peers` recovery, `/metrics`, keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support.reference_server import ServerURL, free_port, running_server, running_service
+
+BLOCK = 16
+MODEL = "mock"
+
+
+def engine(stack: ExitStack) -> dict[str, Any]:
+    """An engine stand-in publishing vLLM's KV events; returns its worker record's fields."""
+    port, events, replay = free_port(), free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}",
+              "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    argv = [sys.executable, "-m", "dynamo_lite.mock_engine", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning", "--speedup-ratio", "50", "--block-size", str(BLOCK),
+            "--kv-events-config", json.dumps(config)]
+    url = stack.enter_context(running_server(argv, port))
+    return {"model_name": MODEL, "endpoint": str(url), "block_size": BLOCK,
+            "kv_events_endpoint": f"tcp://127.0.0.1:{events}", "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            "max_num_batched_tokens": 8192, "total_kv_blocks": 1024}
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[ServerURL, list[dict[str, Any]]]]:
+    with ExitStack() as stack:
+        engines = [engine(stack) for _ in range(2)]
+        service = stack.enter_context(running_service("select_service"))
+        yield service, engines
+
+
+def wait_until(check: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_one_call_per_request_finds_the_engine_that_caches_the_prompt(
+        fleet: tuple[ServerURL, list[dict[str, Any]]]) -> None:
+    service, engines = fleet
+    with httpx.Client(base_url=service, timeout=10) as client:
+        assert client.get("/ready").status_code == 503  # no worker yet
+        for worker_id, fields in enumerate(engines, start=1):
+            record = client.post("/workers", json={"worker_id": worker_id, **fields})
+            assert record.status_code == 201 and record.json()["lifecycle"] == "schedulable", record.text
+        assert client.get("/ready").json()["schedulable_workers"] == 2
+        prompt = list(range(100, 100 + 6 * BLOCK))
+        # The second engine serves the prompt once: it caches it and says so in its KV events.
+        answer = httpx.post(f"{engines[1]['endpoint']}/v1/completions",
+                            json={"model": MODEL, "prompt": prompt, "max_tokens": 2}, timeout=30)
+        assert answer.status_code == 200, answer.text
+
+        def cached_on_second() -> Any:
+            rows = client.post("/overlap_scores", json={"model_name": MODEL, "token_ids": prompt}).json()["workers"]
+            return {row["worker_id"]: row["device_blocks"] for row in rows}.get(2) == 6
+
+        wait_until(cached_on_second)
+        booked = client.post("/select_and_reserve", json={"model_name": MODEL, "token_ids": prompt + [7, 8, 9],
+                                                          "selection_id": "turn-2"})
+        assert booked.status_code == 200, booked.text
+        body = booked.json()
+        assert body["worker_id"] == 2 and body["endpoint"] == engines[1]["endpoint"]
+        assert body["overlap"]["gpu"] == 6 * BLOCK and body["effective_prefill_tokens"] == 3
+        (partition,) = client.get("/loads", params={"model_name": MODEL}).json()
+        assert {row["worker_id"]: row["active_requests"] for row in partition["loads"]} == {1: 0, 2: 1}
+        assert client.post("/reservations/turn-2/prefill_complete").status_code == 200
+        assert client.post("/reservations/turn-2/output_block", json={}).status_code == 200
+        assert client.delete("/reservations/turn-2").json() == {"status": "ok"}
+        (partition,) = client.get("/loads", params={"model_name": MODEL}).json()
+        assert all(row["active_requests"] == 0 and row["potential_decode_blocks"] == 0 for row in partition["loads"])
+        metrics = client.get("/metrics").text
+        assert 'dynamo_lite_select_workers{lifecycle="schedulable"} 2.0' in metrics
+        assert "dynamo_lite_select_reservations 0.0" in metrics
+
+
+def test_workers_listed_at_start_up_are_registered_and_a_peer_s_index_recovered(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        (fields,) = [engine(stack)]
+        workers = tmp_path / "workers.yaml"
+        workers.write_text(json.dumps({"workers": [{"worker_id": 5, **fields}]}))
+        first = stack.enter_context(running_service("select_service", "--workers", str(workers)))
+        assert httpx.get(f"{first}/ready").status_code == 200
+        prompt = list(range(7, 7 + 4 * BLOCK))
+        assert httpx.post(f"{fields['endpoint']}/v1/completions",
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=30).status_code == 200
+        wait_until(lambda: httpx.get(f"{first}/dump").json().get(f"{MODEL}:default", {}).get("events"))
+        second = stack.enter_context(running_service("select_service", "--indexer-peers", str(first)))
+        assert httpx.get(f"{second}/workers").json() == []  # workers are not recovered
+        record = {"worker_id": 5, **fields, "kv_events_endpoint": "tcp://127.0.0.1:1", "replay_endpoint": None}
+        assert httpx.post(f"{second}/workers", json=record).status_code == 201
+        scores = httpx.post(f"{second}/overlap_scores", json={"model_name": MODEL, "token_ids": prompt}).json()
+        assert [row["device_blocks"] for row in scores["workers"]] == [4]  # the peer's index, recovered
+
+
+def test_a_bad_workers_file_stops_the_start_with_its_reason(tmp_path: Path) -> None:
+    workers = tmp_path / "workers.json"
+    workers.write_text(json.dumps([{"worker_id": -1}]))
+    done = subprocess.run([sys.executable, "-m", "dynamo_lite.select_service", "--workers", str(workers)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "worker 0:" in done.stderr and "worker_id" in done.stderr
+
+
+def test_with_keys_selection_needs_one_and_probes_do_not() -> None:
+    with running_service("select_service", "--api-key", "full", "--read-api-key", "reader") as service:
+        assert httpx.get(f"{service}/health").status_code == 200
+        assert httpx.get(f"{service}/ready").status_code == 503
+        body = {"model_name": MODEL, "token_ids": [1, 2, 3]}
+        assert httpx.post(f"{service}/select", json=body).status_code == 401
+        read = {"authorization": "Bearer reader"}
+        assert httpx.post(f"{service}/select", json=body, headers=read).status_code == 503  # allowed: no worker
+        assert httpx.post(f"{service}/workers", json={"worker_id": 1}, headers=read).status_code == 403
+        full = {"authorization": "Bearer full"}
+        assert httpx.post(f"{service}/workers", json={"worker_id": 1}, headers=full).status_code == 201
