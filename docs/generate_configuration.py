@@ -34,6 +34,7 @@ class Program:
 PROGRAMS = (
     Program("Slot tracker", "dynamo_lite.slot_tracker", "dynamo-lite-slot-tracker"),
     Program("Indexer", "dynamo_lite.indexer", "dynamo-lite-indexer"),
+    Program("Selection service", "dynamo_lite.select_service", "dynamo-lite-select-service"),
     Program("Endpoint picker", "dynamo_lite.epp", "dynamo-lite-epp"),
     Program("Engine stand-in", "dynamo_lite.mock_engine", "dynamo-lite-mock-engine"),
 )

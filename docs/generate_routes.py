@@ -1,6 +1,6 @@
 """Write the route references (docs/reference/*-api.md) from the services' OpenAPI documents.
 
-    python docs/generate_routes.py           # (re)write docs/reference/slot-tracker-api.md, indexer-api.md
+    python docs/generate_routes.py           # (re)write docs/reference/*-api.md
     python docs/generate_routes.py --check   # exit 1, with a short diff, if one is stale
 
 The OpenAPI documents (`openapi/*.yaml`) are what the services serve at `/openapi.json` and
@@ -33,6 +33,7 @@ class ApiPage:
 PAGES = (
     ApiPage("openapi/slot_tracker.yaml", "reference/slot-tracker-api.md"),
     ApiPage("openapi/indexer.yaml", "reference/indexer-api.md"),
+    ApiPage("openapi/select_service.yaml", "reference/select-service-api.md"),
 )
 
 

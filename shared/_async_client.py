@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import quote
 
 from ._client_base import (
     DEFAULT_TENANT,
@@ -25,8 +26,29 @@ from ._client_base import (
     IngestReport,
     OverlapScores,
     RoutedReport,
+    ServiceStatusError,
     _AsyncServiceClient,
     filters,
+)
+from ._select_types import (
+    PARTITION_LOADS,
+    READINESS,
+    RESERVATION,
+    SELECT_POTENTIAL_LOADS,
+    SELECTED,
+    TIERED_OVERLAP,
+    WORKER_RECORD,
+    WORKER_RECORDS,
+    PartitionLoads,
+    Readiness,
+    Reservation,
+    SelectedWorker,
+    TieredOverlap,
+    WorkerRecord,
+    decode_readiness,
+    prompt_body,
+    select_filters,
+    worker_fields,
 )
 from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
@@ -285,3 +307,196 @@ class AsyncIndexerClient(_AsyncServiceClient):
     async def deregister_peer(self, url: str) -> None:
         """Remove a peer indexer's base URL; 404 if it is not in the list."""
         await self._transport.call("POST", "/deregister_peer", {"url": url})
+
+
+class AsyncSelectClient(_AsyncServiceClient):
+    """Client of the selection service (one call per request picks and books a worker): one
+    method per route.
+
+    Use it as `async with AsyncSelectClient(url) as selector:`, or call `aclose()` at the end.
+    Without a `base_url` it calls `DEFAULT_URL`; the constructor's other arguments are the same
+    for every client (see `dynamo_lite.client`). A prompt is `token_ids`, or its hash form
+    (`block_hashes`, `sequence_hashes` and `isl_tokens` together).
+    """
+
+    DEFAULT_URL = "http://127.0.0.1:8092"
+
+    async def upsert_worker(
+        self,
+        worker_id: int,
+        *,
+        model_name: str = DEFAULT_TENANT,
+        routing_group: str = DEFAULT_TENANT,
+        endpoint: str | None = None,
+        block_size: int | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_endpoints: dict[int, str] | None = None,
+        replay_endpoint: str | None = None,
+        data_parallel_start_rank: int | None = None,
+        data_parallel_size: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        total_kv_blocks: int | None = None,
+        **fields: Any,
+    ) -> WorkerRecord:
+        """Register a worker, or replace its record. The record answered says whether it is
+        `schedulable`, or why not (`not_schedulable_reasons`); `fields` are the record's other
+        fields (`taints`, `is_eagle`, ...)."""
+        body: dict[str, Any] = {"worker_id": worker_id, "model_name": model_name, "routing_group": routing_group,
+                                **worker_fields(endpoint, block_size, kv_events_endpoint, kv_events_endpoints,
+                                                replay_endpoint, data_parallel_start_rank, data_parallel_size,
+                                                max_num_batched_tokens, total_kv_blocks), **fields}
+        record: WorkerRecord = await self._transport.call("POST", "/workers", body, answer=WORKER_RECORD)
+        return record
+
+    async def patch_worker(self, worker_id: int, **fields: Any) -> WorkerRecord:
+        """Change the fields given (`endpoint=...`, `data_parallel_size=...`); the others stay."""
+        if isinstance(fields.get("kv_events_endpoints"), dict):
+            fields["kv_events_endpoints"] = {str(rank): url for rank, url in fields["kv_events_endpoints"].items()}
+        record: WorkerRecord = await self._transport.call("PATCH", f"/workers/{worker_id}", fields,
+                                                          answer=WORKER_RECORD)
+        return record
+
+    async def delete_worker(self, worker_id: int) -> WorkerRecord:
+        """Remove a worker with its subscriptions, cached blocks and bookings; 404 if unknown."""
+        record: WorkerRecord = await self._transport.call("DELETE", f"/workers/{worker_id}", answer=WORKER_RECORD)
+        return record
+
+    async def workers(self, model_name: str | None = None, routing_group: str | None = None) -> list[WorkerRecord]:
+        """The catalog, sorted by (model_name, routing_group, worker_id)."""
+        records: list[WorkerRecord] = await self._transport.call(
+            "GET", "/workers", params=select_filters(model_name, routing_group), answer=WORKER_RECORDS)
+        return records
+
+    async def ready(self) -> Readiness:
+        """Whether a worker can be selected, with the catalog (the service's 503 is an answer here)."""
+        try:
+            readiness: Readiness = await self._transport.call("GET", "/ready", answer=READINESS)
+        except ServiceStatusError as exc:
+            answered = decode_readiness(exc.message) if exc.status == 503 else None
+            if answered is None:
+                raise
+            return answered
+        return readiness
+
+    async def select(
+        self,
+        model_name: str,
+        token_ids: Sequence[int] | None = None,
+        *,
+        routing_group: str = DEFAULT_TENANT,
+        selection_id: str | None = None,
+        block_hashes: Sequence[int] | None = None,
+        sequence_hashes: Sequence[int] | None = None,
+        isl_tokens: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        router_config_override: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> SelectedWorker:
+        """The best worker for the prompt, nothing booked. With `selection_id`, the choice is
+        kept for `reserve(selection_id)` to book. `fields`: the request's other fields
+        (`session_id`, `allowed_worker_ids`, `pinned_worker`, `expected_output_tokens`,
+        `advisory`, ...)."""
+        body = prompt_body(model_name, routing_group, token_ids, block_hashes, sequence_hashes, isl_tokens,
+                           lora_name, cache_salt, router_config_override)
+        if selection_id is not None:
+            body["selection_id"] = selection_id
+        selected: SelectedWorker = await self._transport.call("POST", "/select", {**body, **fields}, answer=SELECTED)
+        return selected
+
+    async def select_and_reserve(
+        self,
+        model_name: str,
+        token_ids: Sequence[int] | None = None,
+        *,
+        routing_group: str = DEFAULT_TENANT,
+        selection_id: str | None = None,
+        block_hashes: Sequence[int] | None = None,
+        sequence_hashes: Sequence[int] | None = None,
+        isl_tokens: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        router_config_override: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> SelectedWorker:
+        """The best worker for the prompt, booked under `selection_id` (a new UUID when None:
+        read it from the answer). Call `prefill_complete`, `output_block` and `free` with it as
+        the request goes on."""
+        body = prompt_body(model_name, routing_group, token_ids, block_hashes, sequence_hashes, isl_tokens,
+                           lora_name, cache_salt, router_config_override)
+        if selection_id is not None:
+            body["selection_id"] = selection_id
+        selected: SelectedWorker = await self._transport.call("POST", "/select_and_reserve", {**body, **fields},
+                                                              answer=SELECTED)
+        return selected
+
+    async def reserve(
+        self,
+        selection_id: str,
+        *,
+        model_name: str = DEFAULT_TENANT,
+        routing_group: str = DEFAULT_TENANT,
+        worker_id: int | None = None,
+        dp_rank: int = 0,
+        token_ids: Sequence[int] | None = None,
+        sequence_hashes: Sequence[int] | None = None,
+        isl_tokens: int | None = None,
+        effective_prefill_tokens: int | None = None,
+        **fields: Any,
+    ) -> Reservation:
+        """Without `worker_id`: book what `select(..., selection_id=...)` chose (once). With it:
+        book the prompt on that worker and rank (as prefill only `effective_prefill_tokens`)."""
+        body = prompt_body(model_name, routing_group, token_ids, None, sequence_hashes, isl_tokens, None, None, None)
+        body["selection_id"] = selection_id
+        if worker_id is not None:
+            body["worker_id"] = worker_id
+            body["dp_rank"] = dp_rank
+        if effective_prefill_tokens is not None:
+            body["effective_prefill_tokens"] = effective_prefill_tokens
+        reservation: Reservation = await self._transport.call("POST", "/reservations", {**body, **fields},
+                                                              answer=RESERVATION)
+        return reservation
+
+    async def prefill_complete(self, selection_id: str) -> None:
+        """The booking's first token came: its prompt stops counting as prefill load."""
+        await self._transport.call("POST", f"/reservations/{quote(selection_id, safe='')}/prefill_complete")
+
+    async def output_block(self, selection_id: str, decay_fraction: float | None = None) -> None:
+        """One more output block; with `decay_fraction`, every output block weighs that much from now on."""
+        body = {} if decay_fraction is None else {"decay_fraction": decay_fraction}
+        await self._transport.call("POST", f"/reservations/{quote(selection_id, safe='')}/output_block", body)
+
+    async def free(self, selection_id: str) -> None:
+        """The request ended: its load is released; 404 if the booking is unknown (or freed)."""
+        await self._transport.call("DELETE", f"/reservations/{quote(selection_id, safe='')}")
+
+    async def loads(self, model_name: str | None = None, routing_group: str | None = None) -> list[PartitionLoads]:
+        """Every schedulable rank's booked load, per partition."""
+        partitions: list[PartitionLoads] = await self._transport.call(
+            "GET", "/loads", params=select_filters(model_name, routing_group), answer=PARTITION_LOADS)
+        return partitions
+
+    async def potential_loads(
+        self, model_name: str, token_ids: Sequence[int] | None = None, *, routing_group: str = DEFAULT_TENANT,
+        **fields: Any,
+    ) -> list[PotentialLoad]:
+        """Every schedulable rank's load with the prompt added there (prefill left and blocks)."""
+        body = prompt_body(model_name, routing_group, token_ids, None, None, None, None, None, None)
+        rows: list[PotentialLoad] = await self._transport.call("POST", "/potential_loads", {**body, **fields},
+                                                               answer=SELECT_POTENTIAL_LOADS)
+        return rows
+
+    async def overlap_scores(
+        self, model_name: str, token_ids: Sequence[int] | None = None, *, routing_group: str = DEFAULT_TENANT,
+        **fields: Any,
+    ) -> TieredOverlap:
+        """The prompt's cached blocks on every schedulable rank, per tier."""
+        body = prompt_body(model_name, routing_group, token_ids, None, None, None, None, None, None)
+        overlap: TieredOverlap = await self._transport.call("POST", "/overlap_scores", {**body, **fields},
+                                                            answer=TIERED_OVERLAP)
+        return overlap
+
+    async def dump(self) -> dict[str, Any]:
+        """The index as an events document (what another selection service's `--indexer-peers` loads)."""
+        document: dict[str, Any] = await self._transport.call("GET", "/dump", answer=DOCUMENT)
+        return document

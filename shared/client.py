@@ -1,9 +1,9 @@
-"""httpx clients for both services: one method per route, typed results, typed errors.
+"""httpx clients for the services: one method per route, typed results, typed errors.
 
-`AsyncSlotTrackerClient` / `AsyncIndexerClient` are the clients a gateway uses on its event
-loop; `SlotTrackerClient` / `IndexerClient` are the same methods without `await`, for scripts
-and tests (they block: not for use on an event loop). Each holds one pooled `httpx.AsyncClient`
-(or `httpx.Client`) with keep-alive and a timeout per call.
+`AsyncSlotTrackerClient` / `AsyncIndexerClient` / `AsyncSelectClient` are the clients a gateway
+uses on its event loop; `SlotTrackerClient` / `IndexerClient` / `SelectClient` are the same
+methods without `await`, for scripts and tests (they block: not for use on an event loop). Each
+holds one pooled `httpx.AsyncClient` (or `httpx.Client`) with keep-alive and a timeout per call.
 
 Every client takes the same keyword arguments: `timeout=` (seconds per call), `client=` (an
 `httpx.AsyncClient` / `httpx.Client` to share; its base URL, timeout and TLS settings then
@@ -42,11 +42,16 @@ own wire types (`dynamo_lite.slot_tracker.protocols`), re-exported here:
 The indexer's answers are the client's own types: `IndexerWorker` and `IndexerRank`
 (`workers()`), `OverlapScores` (`query_by_hash()`, `query()`), `IngestReport` (`events()`),
 `RoutedReport` (`routed()`).
+
+The selection service's too: `SelectedWorker` with its `Overlap` (`select()`,
+`select_and_reserve()`), `Reservation` (`reserve()`), `WorkerRecord` (`upsert_worker()`,
+`patch_worker()`, `delete_worker()`, `workers()`), `Readiness` (`ready()`), `PartitionLoads`
+(`loads()`), `TieredOverlap` with its `RankOverlap` rows (`overlap_scores()`).
 """
 
 from __future__ import annotations
 
-from ._async_client import AsyncIndexerClient, AsyncSlotTrackerClient
+from ._async_client import AsyncIndexerClient, AsyncSelectClient, AsyncSlotTrackerClient
 from ._client_base import (
     DEFAULT_TENANT,
     DEFAULT_TIMEOUT_SECS,
@@ -62,15 +67,27 @@ from ._client_base import (
     ServiceStatusError,
     TransportError,
 )
-from ._sync_client import IndexerClient, SlotTrackerClient
+from ._select_types import (
+    Overlap,
+    PartitionLoads,
+    RankOverlap,
+    Readiness,
+    Reservation,
+    SelectedWorker,
+    TieredOverlap,
+    WorkerRecord,
+)
+from ._sync_client import IndexerClient, SelectClient, SlotTrackerClient
 from .credentials import ClientCredentials
 from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
 __all__ = [
     "AsyncSlotTrackerClient",
     "AsyncIndexerClient",
+    "AsyncSelectClient",
     "SlotTrackerClient",
     "IndexerClient",
+    "SelectClient",
     "ServiceCallError",
     "ServiceStatusError",
     "TransportError",
@@ -82,6 +99,14 @@ __all__ = [
     "IndexerRank",
     "IngestReport",
     "RoutedReport",
+    "SelectedWorker",
+    "Overlap",
+    "Reservation",
+    "WorkerRecord",
+    "Readiness",
+    "PartitionLoads",
+    "TieredOverlap",
+    "RankOverlap",
     "DEFAULT_TIMEOUT_SECS",
     "DEFAULT_TENANT",
     "ClientCredentials",

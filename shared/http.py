@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from pathlib import Path
 from time import perf_counter
 from typing import Any, NamedTuple, cast
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 import orjson
 import yaml
@@ -797,16 +797,17 @@ class Service(Starlette):
         self._templates = [(template, protected(entries)) for template, entries in self._templates]
         self.metrics_registry.register(ApiKeysCollector(api_keys))
 
-    def endpoint(self, path: str, method: str) -> RouteEntry | None:
+    def endpoint(self, path: str, method: str, raw_path: str | None = None) -> RouteEntry | None:
         """The path's methods, and the endpoint, metric series and access of `method` on it
         (a `method` the path does not take: another method's, and the server answers 405);
-        None for a path that is no route."""
+        None for a path that is no route. `path` is percent-decoded; `raw_path` (as sent, when
+        it differs) lets a templated path's parameter hold an encoded `/` (`a%2Fb` is `a/b`)."""
         entries = self._table.get(path)
         if type(entries) is RouteEntry:
             return entries
         if entries is not None:
             return cast(MethodRoutes, entries).pick(method)
-        return self._templated(path, method)
+        return self._templated(raw_path if raw_path is not None else path, method) if self._templates else None
 
     def _templated(self, path: str, method: str) -> RouteEntry | None:
         segments = path.split("/")
@@ -818,8 +819,8 @@ class Service(Starlette):
                 if expected[:1] == "{":
                     if not segment:
                         break
-                    params[expected[1:-1]] = segment
-                elif expected != segment:
+                    params[expected[1:-1]] = unquote(segment) if "%" in segment else segment
+                elif expected != (unquote(segment) if "%" in segment else segment):
                     break
             else:
                 entry = entries if type(entries) is RouteEntry else cast(MethodRoutes, entries).pick(method)
@@ -855,7 +856,8 @@ class Service(Starlette):
             await super().__call__(scope, receive, send)  # the lifespan
             return
         start = perf_counter()
-        route = self.endpoint(scope["path"], scope["method"])
+        raw_path = scope.get("raw_path")
+        route = self.endpoint(scope["path"], scope["method"], raw_path.decode("latin-1") if raw_path else None)
         head = scope["method"] == "HEAD"
         if route is None:
             series, status = self.unmatched_route, 404

@@ -419,9 +419,9 @@ class HttpConnection(asyncio.Protocol):
         else:  # absolute form, as a proxy would send
             parsed = httptools.parse_url(url)
             raw_path, self.query_string = parsed.path or b"/", parsed.query or b""
-        path = raw_path.decode("latin-1")
-        self.path = path = unquote(path) if "%" in path else path
-        route = self.server.app.endpoint(path, method)
+        sent = raw_path.decode("latin-1")
+        self.path = path = unquote(sent) if "%" in sent else sent
+        route = self.server.app.endpoint(path, method, sent if path is not sent else None)
         if route is None:
             self.series = self.server.app.unmatched_route
             self._answer_early(404, NOT_FOUND_BODY, _JSON)

@@ -116,6 +116,9 @@ def test_a_templated_path_hands_its_parameters_to_the_handler(client: httpx.Clie
     assert client.post("/items/x%20y/done", content=b'{"how": "fully"}', headers=JSON).json()["done"] == "fully"
     assert client.delete("/items/x%20y").json()["name"] == "x y"
     assert client.get("/items").json() == []
+    client.post("/items", content=b'{"name": "a/b"}', headers=JSON)  # an encoded slash stays in its segment
+    assert client.post("/items/a%2Fb/done").json()["name"] == "a/b"
+    assert client.delete("/items/a%2Fb").status_code == 200
     # a segment more, a segment less, an empty parameter: no route
     for path in ("/items/a/done/more", "/items//done", "/item/a"):
         answer = client.get(path)

@@ -6,6 +6,7 @@ behaviour: `--workers` at start-up, `--indexer-peers` recovery, `/metrics`, keys
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -130,3 +131,65 @@ def test_with_keys_selection_needs_one_and_probes_do_not() -> None:
         assert httpx.post(f"{service}/workers", json={"worker_id": 1}, headers=read).status_code == 403
         full = {"authorization": "Bearer full"}
         assert httpx.post(f"{service}/workers", json={"worker_id": 1}, headers=full).status_code == 201
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["httpx", "lean"])
+def test_the_clients_speak_every_route(fleet: tuple[ServerURL, list[dict[str, Any]]], lean: bool) -> None:
+    import asyncio
+
+    from dynamo_lite.client import AsyncSelectClient, SelectClient, ServiceStatusError
+
+    service, engines = fleet
+    model_name = f"client-{lean}"
+    with SelectClient(service) as selector:
+        record = selector.upsert_worker(31, model_name=model_name, endpoint="http://a", block_size=BLOCK,
+                                        kv_events_endpoint="tcp://127.0.0.1:1")
+        assert record.lifecycle == "schedulable"
+        assert selector.patch_worker(31, total_kv_blocks=64).total_kv_blocks == 64
+        assert [w.worker_id for w in selector.workers(model_name)] == [31]
+        assert selector.ready().ready
+
+    async def lifecycle() -> None:
+        async with AsyncSelectClient(service, lean=lean) as selector:
+            picked = await selector.select_and_reserve(model_name, list(range(40)), selection_id="a/1")
+            assert picked.worker_id == 31 and picked.selection_id == "a/1" and picked.isl_tokens == 40
+            await selector.prefill_complete("a/1")
+            await selector.output_block("a/1", decay_fraction=0.5)
+            (partition,) = await selector.loads(model_name)
+            assert partition.loads[0].active_requests == 1
+            chosen = await selector.select(model_name, list(range(8)), selection_id="later")
+            booked = await selector.reserve("later", model_name=model_name)
+            assert (booked.worker_id, booked.dp_rank) == (chosen.worker_id, chosen.dp_rank)
+            explicit = await selector.reserve("b", model_name=model_name, worker_id=31, token_ids=[1, 2, 3])
+            assert explicit.endpoint == "http://a"
+            for selection_id in ("a/1", "later", "b"):
+                await selector.free(selection_id)
+            with pytest.raises(ServiceStatusError) as refused:
+                await selector.free("a/1")
+            assert refused.value.status == 404
+            overlap = await selector.overlap_scores(model_name, list(range(16)))
+            assert overlap.num_blocks == 1 and [row.worker_id for row in overlap.workers] == [31]
+            rows = await selector.potential_loads(model_name, list(range(16)))
+            assert rows[0].potential_prefill_tokens == 16
+            assert isinstance(await selector.dump(), dict)
+            await selector.delete_worker(31)
+
+    asyncio.run(lifecycle())
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_example_routes_the_next_turn_to_the_engine_that_caches_the_first(
+        fleet: tuple[ServerURL, list[dict[str, Any]]]) -> None:
+    service, _ = fleet
+    env = {**os.environ, "SELECT_SERVICE_URL": str(service)}
+    done = subprocess.run([sys.executable, "examples/select_service.py"], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "turn 2: 104 tokens -> worker 72 at http://engine-72:8000 (cached 64 tokens, 40 left to prefill)" in done.stdout
+    assert httpx.get(f"{service}/workers", params={"model_name": "select-example"}).json() == []
+    unreachable = {**env, "SELECT_SERVICE_URL": "http://127.0.0.1:9"}
+    done = subprocess.run([sys.executable, "examples/select_service.py"], env=unreachable, capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
