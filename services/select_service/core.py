@@ -23,7 +23,7 @@ import random
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,7 +199,7 @@ class SelectionCore:
             raise NotFound(f"worker {worker_id} not found")
         changes = ListenerChanges()
         if record.schedulable:
-            self._withdraw(record, record.ranks(), changes)
+            self._withdraw(record, changes)
         del self.catalog[worker_id]
         record.lifecycle = "unschedulable"
         record.not_schedulable_reasons = []
@@ -230,7 +230,7 @@ class SelectionCore:
                 self._change_ranks(old, record, changes)
                 self.catalog[record.worker_id] = record
                 return record.answer(), changes
-            self._withdraw(old, old.ranks(), changes)
+            self._withdraw(old, changes)
         if record.schedulable:
             self._enlist(record, changes)
         self.catalog[record.worker_id] = record
@@ -291,32 +291,31 @@ class SelectionCore:
         for rank in record.ranks():
             self.scheduler.set_capacity((record.worker_id, rank), record.total_kv_blocks)
 
-    def _withdraw(self, record: WorkerRecord, ranks: Iterable[int], changes: ListenerChanges) -> None:
-        """Stop indexing, tracking and listening to these ranks of a schedulable record; their
-        bookings end with them."""
+    def _withdraw(self, record: WorkerRecord, changes: ListenerChanges) -> None:
+        """Stop indexing, tracking and listening to a schedulable record's ranks; its bookings
+        end with them, and its partition's settings with its last worker."""
         model_name, routing_group = record.partition
-        doomed = {(record.worker_id, rank) for rank in ranks}
+        doomed = {(record.worker_id, rank) for rank in record.ranks()}
         for key in sorted(doomed):
             self.indexer.unregister(record.worker_id, model_name, routing_group, key[1])
             changes.stop.append(key)
-        everything = doomed == {(record.worker_id, rank) for rank in record.ranks()}
-        survivors = [r for r in self.reservations.values()
-                     if r.worker_id == record.worker_id and r.rank not in doomed]
         self.tracker.unregister(record.worker_id, model_name, routing_group)
-        for reservation in [r for r in self.reservations.values() if r.rank in doomed]:
+        self._drop_bookings(doomed)
+        self.scheduler.forget(doomed)
+        state = self.partitions[record.partition]
+        state.workers.pop(record.worker_id, None)
+        if not state.workers:
+            del self.partitions[record.partition]
+
+    def _drop_bookings(self, ranks: set[RankKey]) -> None:
+        """Forget the reservations and session bindings of ranks that left (the tracker dropped
+        their bookings)."""
+        for reservation in [r for r in self.reservations.values() if r.rank in ranks]:
             del self.reservations[reservation.selection_id]
             if self.sessions is not None:
                 self.sessions.release(reservation.selection_id)
         if self.sessions is not None:
-            self.sessions.forget_ranks(doomed)
-        self.scheduler.forget(doomed)
-        state = self.partitions[record.partition]
-        if everything:
-            state.workers.pop(record.worker_id, None)
-            if not state.workers:
-                del self.partitions[record.partition]  # its settings go with its last worker
-        else:
-            self._rebook(survivors)
+            self.sessions.forget_ranks(ranks)
 
     def _change_ranks(self, old: WorkerRecord, new: WorkerRecord, changes: ListenerChanges) -> None:
         """A schedulable worker stays schedulable in its partition: ranks whose KV-event and
@@ -333,17 +332,12 @@ class SelectionCore:
         if old.ranks() != new.ranks():
             survivors = [r for r in self.reservations.values()
                          if r.worker_id == old.worker_id and r.rank not in dropped]
-            for reservation in [r for r in self.reservations.values() if r.rank in dropped]:
-                del self.reservations[reservation.selection_id]
-                if self.sessions is not None:
-                    self.sessions.release(reservation.selection_id)
+            self._drop_bookings(dropped)
             self.tracker.unregister(old.worker_id, model_name, routing_group)
             ranks = new.ranks()
             assert new.block_size
             self.tracker.register(new.worker_id, model_name, routing_group, new.block_size, ranks.start, len(ranks))
             self._rebook(survivors)
-            if self.sessions is not None:
-                self.sessions.forget_ranks(dropped)
             self.scheduler.forget(dropped)
         for rank in sorted(set(new.ranks()) - kept):
             self._index_rank(new, rank, new_endpoints[rank], changes)
