@@ -41,28 +41,21 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
-from dynamo_lite.client import (
-    AsyncIndexerClient,
-    AsyncSlotTrackerClient,
-    IndexerWorker,
-    ServiceCallError,
-    ServiceStatusError,
-    TransportError,
-)
+from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
 from dynamo_lite.integers import U32_MAX, U64_MODULUS
+from dynamo_lite.registrar import IndexedRank, Registrar, TrackerWorker
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_TENANT = "default"
-DEFAULT_CONCURRENCY = 16
 
 RankKey = tuple[int, int]
 """(worker_id, dp_rank): one rank of one engine."""
@@ -475,53 +468,31 @@ def diff(old: Iterable[PoolEndpoint], new: Iterable[PoolEndpoint]) -> PoolDiff:
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TrackerWorker:
-    """One slot tracker registration: a worker with its ranks as one range."""
+class PoolRegistrar(Registrar):
+    """The `Registrar` by pool endpoint: give every rank of a worker together, as the slot
+    tracker registers a worker's ranks as one range, built from the ranks given. It logs as the
+    pool module."""
 
-    worker_id: int
-    model: str
-    tenant_id: str
-    block_size: int
-    dp_start: int
-    dp_size: int
+    def __init__(self, slot_tracker: AsyncSlotTrackerClient, indexer: AsyncIndexerClient) -> None:
+        super().__init__(slot_tracker, indexer, logger=log)
 
-    @property
-    def identity(self) -> tuple[int, str, str]:
-        return (self.worker_id, self.model, self.tenant_id)
+    async def register(self, endpoints: Iterable[PoolEndpoint]) -> set[RankKey]:
+        """Register `endpoints` with both services; the rank_keys now registered with both."""
+        endpoints = list(endpoints)
+        return await self.register_all(tracker_workers(endpoints), [indexer_rank(ep) for ep in endpoints])
 
-    @property
-    def rank_keys(self) -> set[RankKey]:
-        return {(self.worker_id, rank) for rank in range(self.dp_start, self.dp_start + self.dp_size)}
+    async def unregister(self, endpoints: Iterable[PoolEndpoint]) -> set[RankKey]:
+        """Unregister `endpoints` from both services (an endpoint already gone is fine); the
+        rank_keys now gone from both. The slot tracker knows whole workers only: any rank given
+        unregisters its worker there (register the worker's remaining ranks again)."""
+        endpoints = list(endpoints)
+        return await self.unregister_all(tracker_workers(endpoints), [indexer_rank(ep) for ep in endpoints])
 
-    def describe(self) -> str:
-        last = self.dp_start + self.dp_size - 1
-        ranks = f"dp_rank {self.dp_start}" if self.dp_size == 1 else f"dp_ranks {self.dp_start}..{last}"
-        return f"worker {self.worker_id} ({ranks}) of model={self.model} tenant_id={self.tenant_id}"
-
-
-@dataclass(frozen=True)
-class IndexerRank:
-    """One indexer registration: a rank with its engine's KV-event endpoints."""
-
-    worker_id: int
-    dp_rank: int
-    model: str
-    tenant_id: str
-    block_size: int
-    endpoint: str | None
-    replay_endpoint: str | None
-
-    @property
-    def identity(self) -> tuple[int, int, str, str]:
-        return (self.worker_id, self.dp_rank, self.model, self.tenant_id)
-
-    @property
-    def rank_key(self) -> RankKey:
-        return (self.worker_id, self.dp_rank)
-
-    def describe(self) -> str:
-        return f"worker {self.worker_id} dp_rank {self.dp_rank} of model={self.model} tenant_id={self.tenant_id}"
+    async def known(self, endpoints: Iterable[PoolEndpoint]) -> bool:
+        """True when both services currently list every endpoint, registered exactly as the pool
+        says (the picker's `readiness`); False when they do not or cannot be asked."""
+        endpoints = list(endpoints)
+        return await self.known_all(tracker_workers(endpoints), [indexer_rank(ep) for ep in endpoints])
 
 
 def tracker_workers(endpoints: Iterable[PoolEndpoint]) -> list[TrackerWorker]:
@@ -539,290 +510,10 @@ def tracker_workers(endpoints: Iterable[PoolEndpoint]) -> list[TrackerWorker]:
     return result
 
 
-def indexer_rank(ep: PoolEndpoint) -> IndexerRank:
+def indexer_rank(ep: PoolEndpoint) -> IndexedRank:
     """The indexer registration of one endpoint."""
-    return IndexerRank(ep.worker_id, ep.dp_rank, ep.model, ep.tenant_id, ep.block_size,
+    return IndexedRank(ep.worker_id, ep.dp_rank, ep.model, ep.tenant_id, ep.block_size,
                        ep.kv_events_endpoint, ep.replay_endpoint)
-
-
-_TRANSIENT_STATUSES = frozenset({408, 429})
-
-
-def _transient(exc: BaseException) -> bool:
-    """True when the call did not reach a service able to answer (retry later): no answer
-    (`TransportError`), 408, 429, 5xx, or an answer that does not read."""
-    if isinstance(exc, ServiceStatusError):
-        return exc.status in _TRANSIENT_STATUSES or exc.status >= 500
-    return isinstance(exc, TransportError)
-
-
-# Every failure of a client call is a ServiceCallError (an unreadable answer too: InvalidAnswer).
-_SERVICE_ERRORS = (ServiceCallError,)
-
-T = TypeVar("T")
-
-SLOT_TRACKER = "slot tracker"
-INDEXER = "indexer"
-
-
-class PoolRegistrar:
-    """Registers pool endpoints with the slot tracker and the indexer, idempotently.
-
-    Nothing here raises for a service that cannot be reached (transport errors, 5xx, 408, 429):
-    the call reports the endpoint as not registered, a warning is logged once per failure streak
-    of that service, and the caller tries again later. A 409 whose existing registration is
-    exactly ours (another picker sharing the pool, or this one before a restart) is a success; a
-    409 for anything else is a conflict, logged as an error (once while it lasts) and reported as
-    not registered. At most `concurrency` calls are in flight at once.
-    """
-
-    def __init__(
-        self,
-        slot_tracker: AsyncSlotTrackerClient,
-        indexer: AsyncIndexerClient,
-        *,
-        concurrency: int = DEFAULT_CONCURRENCY,
-    ) -> None:
-        self.slot_tracker = slot_tracker
-        self.indexer = indexer
-        self._concurrency = concurrency
-        self._semaphore: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
-        self._failing: dict[str, str] = {}  # service -> the error that started its failure streak
-        self._conflicts: dict[tuple[Any, ...], str] = {}  # logged conflicts, until resolved
-
-    # --- public API, by endpoint ----------------------------------------------------------------
-
-    async def register(self, endpoints: Iterable[PoolEndpoint]) -> set[RankKey]:
-        """Register `endpoints` with both services; the rank_keys now registered with both.
-
-        Give every rank of a worker together: the slot tracker registers a worker's ranks as
-        one range, built from the ranks given here."""
-        endpoints = list(endpoints)
-        workers = tracker_workers(endpoints)
-        ranks = [indexer_rank(ep) for ep in endpoints]
-        results = await asyncio.gather(
-            *(self.register_tracker_worker(w) for w in workers),
-            *(self.register_indexer_rank(r) for r in ranks),
-        )
-        tracker_ok = {w.worker_id for w, ok in zip(workers, results[:len(workers)]) if ok}
-        indexer_ok = {r.rank_key for r, ok in zip(ranks, results[len(workers):]) if ok}
-        return {ep.rank_key for ep in endpoints if ep.worker_id in tracker_ok and ep.rank_key in indexer_ok}
-
-    async def unregister(self, endpoints: Iterable[PoolEndpoint]) -> set[RankKey]:
-        """Unregister `endpoints` from both services (an endpoint already gone is fine); the
-        rank_keys now gone from both. The slot tracker knows whole workers only: any rank given
-        unregisters its worker there (register the worker's remaining ranks again)."""
-        endpoints = list(endpoints)
-        workers = tracker_workers(endpoints)
-        ranks = [indexer_rank(ep) for ep in endpoints]
-        results = await asyncio.gather(
-            *(self.unregister_tracker_worker(w) for w in workers),
-            *(self.unregister_indexer_rank(r) for r in ranks),
-        )
-        tracker_ok = {w.worker_id for w, ok in zip(workers, results[:len(workers)]) if ok}
-        indexer_ok = {r.rank_key for r, ok in zip(ranks, results[len(workers):]) if ok}
-        return {ep.rank_key for ep in endpoints if ep.worker_id in tracker_ok and ep.rank_key in indexer_ok}
-
-    async def known(self, endpoints: Iterable[PoolEndpoint]) -> bool:
-        """True when both services currently list every endpoint, registered exactly as the pool
-        says (the picker's `readiness`); False when they do not or cannot be asked."""
-        endpoints = list(endpoints)
-        tracker, indexer = await self.listed()
-        if tracker is None or indexer is None:
-            return False
-        return all(w in tracker for w in tracker_workers(endpoints)) and all(
-            indexer_rank(ep) in indexer for ep in endpoints
-        )
-
-    async def listed(self) -> tuple[set[TrackerWorker] | None, set[IndexerRank] | None]:
-        """What each service has registered now (None for one that cannot be asked). Indexer
-        ranks only seen in events or `/routed` (not registered) are left out."""
-        tracker, indexer = await asyncio.gather(self._tracker_listing(), self._indexer_listing())
-        return tracker, indexer
-
-    # --- one registration at a time -------------------------------------------------------------
-
-    async def register_tracker_worker(self, worker: TrackerWorker) -> bool:
-        """Register one worker with the slot tracker; True if it is registered exactly so now."""
-        try:
-            await self._call(SLOT_TRACKER, self.slot_tracker.register(
-                worker.worker_id, worker.model, worker.block_size,
-                dp_start=worker.dp_start, dp_size=worker.dp_size, tenant_id=worker.tenant_id,
-            ))
-        except _SERVICE_ERRORS as exc:
-            if _transient(exc):
-                return False
-            if not (isinstance(exc, ServiceStatusError) and exc.status == 409):
-                self._conflict((SLOT_TRACKER, worker.identity), f"slot tracker refused to register {worker.describe()}: {exc}")
-                return False
-            try:
-                infos = await self._call(SLOT_TRACKER, self.slot_tracker.workers(worker.model, worker.tenant_id))
-            except _SERVICE_ERRORS as again:
-                if not _transient(again):
-                    self._conflict((SLOT_TRACKER, worker.identity), f"slot tracker: listing workers failed: {again}")
-                return False
-            existing = next((info for info in infos if info.worker_id == worker.worker_id), None)
-            if existing is not None and _tracker_unit(existing) == worker:
-                self._resolved((SLOT_TRACKER, worker.identity))
-                return True
-            found = "" if existing is None else (
-                f"; it has block_size {existing.block_size}, dp_ranks {existing.dp_start}.."
-                f"{existing.dp_start + existing.dp_size - 1}"
-            )
-            self._conflict(
-                (SLOT_TRACKER, worker.identity),
-                f"slot tracker: cannot register {worker.describe()} with block_size {worker.block_size}: "
-                f"{exc.message}{found}",
-            )
-            return False
-        self._resolved((SLOT_TRACKER, worker.identity))
-        return True
-
-    async def register_indexer_rank(self, rank: IndexerRank) -> bool:
-        """Register one rank with the indexer; True if it is registered exactly so now."""
-        try:
-            await self._call(INDEXER, self.indexer.register(
-                rank.worker_id, rank.model, rank.block_size, dp_rank=rank.dp_rank, tenant_id=rank.tenant_id,
-                endpoint=rank.endpoint, replay_endpoint=rank.replay_endpoint,
-            ))
-        except _SERVICE_ERRORS as exc:
-            if _transient(exc):
-                return False
-            if not (isinstance(exc, ServiceStatusError) and exc.status == 409):
-                self._conflict((INDEXER, rank.identity), f"indexer refused to register {rank.describe()}: {exc}")
-                return False
-            try:
-                infos = await self._call(INDEXER, self.indexer.workers(rank.model, rank.tenant_id))
-            except _SERVICE_ERRORS as again:
-                if not _transient(again):
-                    self._conflict((INDEXER, rank.identity), f"indexer: listing workers failed: {again}")
-                return False
-            listed = _indexer_units(infos)
-            if rank in listed:
-                self._resolved((INDEXER, rank.identity))
-                return True
-            existing = next((unit for unit in listed if unit.identity == rank.identity), None)
-            found = "" if existing is None else (
-                f"; it has block_size {existing.block_size}, endpoint {existing.endpoint}, "
-                f"replay_endpoint {existing.replay_endpoint}"
-            )
-            self._conflict(
-                (INDEXER, rank.identity),
-                f"indexer: cannot register {rank.describe()} with block_size {rank.block_size}, endpoint "
-                f"{rank.endpoint}, replay_endpoint {rank.replay_endpoint}: {exc.message}{found}",
-            )
-            return False
-        self._resolved((INDEXER, rank.identity))
-        return True
-
-    async def unregister_tracker_worker(self, worker: TrackerWorker) -> bool:
-        """Unregister a worker (by id, model and tenant) from the slot tracker; True once it is gone."""
-        try:
-            await self._call(SLOT_TRACKER, self.slot_tracker.unregister(
-                worker.worker_id, worker.model, tenant_id=worker.tenant_id
-            ))
-        except _SERVICE_ERRORS as exc:
-            if isinstance(exc, ServiceStatusError) and exc.status == 404:
-                return True
-            if not _transient(exc):
-                log.error("slot tracker refused to unregister %s: %s", worker.describe(), exc)
-            return False
-        log.info("unregistered %s from the slot tracker", worker.describe())
-        return True
-
-    async def unregister_indexer_rank(self, rank: IndexerRank) -> bool:
-        """Unregister one rank from the indexer; True once it is gone."""
-        try:
-            await self._call(INDEXER, self.indexer.unregister(
-                rank.worker_id, rank.model, tenant_id=rank.tenant_id, dp_rank=rank.dp_rank
-            ))
-        except _SERVICE_ERRORS as exc:
-            if isinstance(exc, ServiceStatusError) and exc.status == 404:
-                return True
-            if not _transient(exc):
-                log.error("indexer refused to unregister %s: %s", rank.describe(), exc)
-            return False
-        log.info("unregistered %s from the indexer", rank.describe())
-        return True
-
-    # --- plumbing -------------------------------------------------------------------------------
-
-    async def _tracker_listing(self) -> set[TrackerWorker] | None:
-        try:
-            infos = await self._call(SLOT_TRACKER, self.slot_tracker.workers())
-        except _SERVICE_ERRORS as exc:
-            if not _transient(exc):
-                log.error("slot tracker: listing workers failed: %s", exc)
-            return None
-        return {_tracker_unit(info) for info in infos}
-
-    async def _indexer_listing(self) -> set[IndexerRank] | None:
-        try:
-            infos = await self._call(INDEXER, self.indexer.workers())
-        except _SERVICE_ERRORS as exc:
-            if not _transient(exc):
-                log.error("indexer: listing workers failed: %s", exc)
-            return None
-        return _indexer_units(infos)
-
-    def _limit(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if self._semaphore is None or self._semaphore[0] is not loop:
-            self._semaphore = (loop, asyncio.Semaphore(self._concurrency))
-        return self._semaphore[1]
-
-    async def _call(self, service: str, call: Awaitable[T]) -> T:
-        """Await one client call under the concurrency limit, keeping track of the service's
-        failure streak (a warning when it starts, an info line when it ends)."""
-        try:
-            async with self._limit():
-                result = await call
-        except _SERVICE_ERRORS as exc:
-            if _transient(exc):
-                if service not in self._failing:
-                    self._failing[service] = str(exc)
-                    log.warning("%s unavailable (%s): registrations will be retried", service, exc)
-            else:
-                self._reachable(service)
-            raise
-        except BaseException:
-            if inspect.iscoroutine(call):
-                call.close()
-            raise
-        self._reachable(service)
-        return result
-
-    def _reachable(self, service: str) -> None:
-        if self._failing.pop(service, None) is not None:
-            log.info("%s reachable again", service)
-
-    @property
-    def failing(self) -> dict[str, str]:
-        """The services in a failure streak, with the error that started it."""
-        return dict(self._failing)
-
-    def _conflict(self, key: tuple[Any, ...], message: str) -> None:
-        if self._conflicts.get(key) != message:
-            self._conflicts[key] = message
-            log.error("%s (not registered; will retry)", message)
-
-    def _resolved(self, key: tuple[Any, ...]) -> None:
-        if self._conflicts.pop(key, None) is not None:
-            log.info("%s %s: registered", key[0], key[1])
-
-
-def _tracker_unit(info: Any) -> TrackerWorker:
-    return TrackerWorker(info.worker_id, info.model_name, info.tenant_id, info.block_size, info.dp_start, info.dp_size)
-
-
-def _indexer_units(infos: Sequence[IndexerWorker]) -> set[IndexerRank]:
-    return {
-        IndexerRank(info.instance_id, rank.dp_rank, info.model_name, info.tenant_id, info.block_size, rank.endpoint,
-                    rank.replay_endpoint)
-        for info in infos
-        for rank in info.ranks
-        if rank.registered
-    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -873,9 +564,9 @@ class PoolWatcher:
         self._set_pool(list(pool) if pool is not None else load_pool(self.path))
         self.last_error: str | None = None  # the file's problem, while it has one
         self._tracker_done: set[TrackerWorker] = set()
-        self._indexer_done: set[IndexerRank] = set()
+        self._indexer_done: set[IndexedRank] = set()
         self._tracker_stale: set[TrackerWorker] = set()
-        self._indexer_stale: set[IndexerRank] = set()
+        self._indexer_stale: set[IndexedRank] = set()
         self._ready = False
         self._reload = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -1073,7 +764,7 @@ class PoolWatcher:
 
 
 __all__ = [
-    "IndexerRank",
+    "IndexedRank",
     "PoolDiff",
     "PoolEndpoint",
     "PoolError",
