@@ -316,6 +316,12 @@ class Registrar:
         """The services in a failure streak, with the error that started it."""
         return dict(self._failing)
 
+    @property
+    def conflicts(self) -> dict[tuple[Any, ...], str]:
+        """The registrations refused for a reason other than an outage, by (service, identity),
+        with the reason, until they succeed."""
+        return dict(self._conflicts)
+
     def _conflict(self, key: tuple[Any, ...], message: str) -> None:
         if self._conflicts.get(key) != message:
             self._conflicts[key] = message

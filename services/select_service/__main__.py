@@ -69,8 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long to keep trying --indexer-peers before starting with an empty index")
     index.add_argument("--replay-timeout-secs", type=positive_float, default=DEFAULT_REPLAY_TIMEOUT_SECS,
                        help="how long to wait for an engine's replay of the batches a subscription missed")
+    remote = parser.add_argument_group(
+        "remote mode: many selectors on one state (docs/select-service.md)")
+    remote.add_argument("--slot-tracker", type=_service_url, default=None, metavar="URL",
+                        help="read loads from and book on this slot tracker instead of in-process (with --indexer)")
+    remote.add_argument("--indexer", type=_service_url, default=None, metavar="URL",
+                        help="read cached blocks from this indexer, which subscribes to the workers' KV events, "
+                        "instead of in-process (with --slot-tracker)")
+    remote.add_argument("--service-timeout-secs", type=positive_float, default=2.0,
+                        help="remote mode: how long a call to the slot tracker or the indexer may take")
     add_security_arguments(parser)
     return parser
+
+
+def _service_url(text: str) -> str:
+    url = text.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// base URL")
+    return url
 
 
 def _session_ttl(text: str) -> float:
@@ -84,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
     check_security_arguments(parser, args)
+    if (args.slot_tracker is None) != (args.indexer is None):
+        parser.error("remote mode takes both --slot-tracker and --indexer")
+    if args.slot_tracker is not None and args.indexer_peers:
+        parser.error("--indexer-peers recovers an in-process index: in remote mode the indexer holds it")
     configure_logging(args.log_level, args.log_format)
     try:
         scheduler = scheduler_config(args)
@@ -107,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.session_affinity_ttl_secs:g} s" if args.session_affinity_ttl_secs else "off",
         f" (index from peers: {', '.join(args.indexer_peers)})" if args.indexer_peers else "",
     )
+    if args.slot_tracker is not None:
+        logging.getLogger("dynamo_lite.select_service").info(
+            "remote mode: slot tracker %s, indexer %s", args.slot_tracker, args.indexer)
     serve(create_app(SelectServiceConfig(
         selection=settings,
         indexer_peers=args.indexer_peers,
@@ -114,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         replay_timeout_secs=args.replay_timeout_secs,
         peer_credentials=peer_credentials(args),
         workers=workers,
+        slot_tracker_url=args.slot_tracker,
+        indexer_url=args.indexer,
+        service_timeout_secs=args.service_timeout_secs,
     )), args)
 
 

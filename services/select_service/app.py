@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,16 +23,17 @@ from starlette.routing import Route
 
 from dynamo_lite import http
 from dynamo_lite.auth import Access
+from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
 from dynamo_lite.credentials import ClientCredentials
-from dynamo_lite.errors import InvalidArgument, ServiceError
-from dynamo_lite.http import Answer, HandlerResult, PathParams, QueryParams
+from dynamo_lite.errors import InvalidArgument, NotFound, ServiceError
+from dynamo_lite.http import Answer, HandlerResult, LaterResult, PathParams, QueryParams
 from dynamo_lite.indexer.listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners
 from dynamo_lite.indexer.metrics import ListenerCollector
 from dynamo_lite.indexer.peers import recover
 from dynamo_lite.integers import U64_MAX
 from dynamo_lite.metrics import PREFIX
 
-from .core import ListenerChanges, SelectionCore, SelectionSettings
+from .core import ListenerChanges, Readings, Reservation, SelectionCore, SelectionSettings, round_half_away
 from .protocols import (
     OutputBlockRequest,
     QueryRequest,
@@ -43,6 +44,7 @@ from .protocols import (
     optional_reader,
     reader,
 )
+from .remote import SharedState, Unavailable
 
 logger = logging.getLogger("dynamo_lite.select_service")
 
@@ -67,6 +69,14 @@ class SelectServiceConfig:
     sweep_interval_secs: float = DEFAULT_SWEEP_INTERVAL_SECS
     peer_credentials: ClientCredentials = ClientCredentials()
     workers: tuple[WorkerRequest, ...] = ()  # registered at start-up, after the peers' index (--workers)
+    # Remote mode: the slot tracker and indexer shared with other selectors (both or neither).
+    slot_tracker_url: str | None = None
+    indexer_url: str | None = None
+    service_timeout_secs: float = 2.0
+
+    @property
+    def remote(self) -> bool:
+        return self.slot_tracker_url is not None
 
 
 def load_workers(path: Path) -> tuple[WorkerRequest, ...]:
@@ -98,7 +108,8 @@ def _worker_id(params: PathParams) -> int:
 
 
 class SelectRoutes:
-    """One method per route; each returns (status, JSON-serialisable payload)."""
+    """One method per route; each returns (status, JSON-serialisable payload), or a coroutine of
+    them (`RemoteSelectRoutes`)."""
 
     def __init__(self, core: SelectionCore, listeners: Listeners) -> None:
         self.core = core
@@ -115,19 +126,19 @@ class SelectRoutes:
 
     # --- the catalog ----------------------------------------------------------------------------
 
-    def upsert_worker(self, request: WorkerRequest) -> HandlerResult:
+    def upsert_worker(self, request: WorkerRequest) -> HandlerResult | LaterResult:
         record, changes = self.core.upsert_worker(request)
         self._apply(changes)
         _log_record("registered", record)
         return 201, record
 
-    def patch_worker(self, params: PathParams, patch: WorkerPatch) -> HandlerResult:
+    def patch_worker(self, params: PathParams, patch: WorkerPatch) -> HandlerResult | LaterResult:
         record, changes = self.core.patch_worker(_worker_id(params), patch)
         self._apply(changes)
         _log_record("patched", record)
         return 200, record
 
-    def delete_worker(self, params: PathParams, query: QueryParams) -> HandlerResult:
+    def delete_worker(self, params: PathParams, query: QueryParams) -> HandlerResult | LaterResult:
         record, changes = self.core.delete_worker(_worker_id(params))
         self._apply(changes)
         logger.info("worker %d removed", record["worker_id"])
@@ -139,40 +150,155 @@ class SelectRoutes:
 
     # --- selection ------------------------------------------------------------------------------
 
-    def select(self, request: SelectRequest) -> HandlerResult:
+    def select(self, request: SelectRequest) -> HandlerResult | LaterResult:
         return 200, self.core.select(request)
 
-    def select_and_reserve(self, request: SelectRequest) -> HandlerResult:
+    def select_and_reserve(self, request: SelectRequest) -> HandlerResult | LaterResult:
         return 200, self.core.select_and_reserve(request)
 
-    def reserve(self, request: ReservationRequest) -> HandlerResult:
+    def reserve(self, request: ReservationRequest) -> HandlerResult | LaterResult:
         return 201, self.core.reserve(request)
 
-    def prefill_complete(self, params: PathParams, body: Any) -> HandlerResult:
+    def prefill_complete(self, params: PathParams, body: Any) -> HandlerResult | LaterResult:
         self.core.prefill_complete(params["selection_id"])
         return 200, OK
 
-    def output_block(self, params: PathParams, request: OutputBlockRequest | None) -> HandlerResult:
+    def output_block(self, params: PathParams, request: OutputBlockRequest | None) -> HandlerResult | LaterResult:
         self.core.output_block(params["selection_id"], request)
         return 200, OK
 
-    def free(self, params: PathParams, query: QueryParams) -> HandlerResult:
+    def free(self, params: PathParams, query: QueryParams) -> HandlerResult | LaterResult:
         self.core.free(params["selection_id"])
         return 200, OK
 
     # --- reads ----------------------------------------------------------------------------------
 
-    def loads(self, params: QueryParams) -> HandlerResult:
+    def loads(self, params: QueryParams) -> HandlerResult | LaterResult:
         return 200, self.core.loads(*_filters(params))
 
-    def potential_loads(self, request: QueryRequest) -> HandlerResult:
+    def potential_loads(self, request: QueryRequest) -> HandlerResult | LaterResult:
         return 200, self.core.potential_loads(request)
 
-    def overlap_scores(self, request: QueryRequest) -> HandlerResult:
+    def overlap_scores(self, request: QueryRequest) -> HandlerResult | LaterResult:
         return 200, self.core.overlap_scores(request)
 
-    def dump(self, params: QueryParams) -> HandlerResult:
+    def dump(self, params: QueryParams) -> HandlerResult | LaterResult:
         return 200, self.core.dump()
+
+
+class RemoteSelectRoutes(SelectRoutes):
+    """The routes of a selector in remote mode (`remote`): the same core calls, with the reads
+    and bookings on the shared slot tracker and indexer."""
+
+    def __init__(self, core: SelectionCore, listeners: Listeners, shared: SharedState) -> None:
+        super().__init__(core, listeners)
+        self.shared = shared
+
+    # --- the catalog: registered with both services, or not kept ----------------------------------
+
+    async def _register(self, worker_id: int, record: dict[str, Any], changes: ListenerChanges) -> None:
+        current = self.core.catalog.get(worker_id)
+        if current is not None and current.schedulable:
+            changes.ensure(current)
+        problems = await self.shared.apply(changes)
+        if problems and worker_id in self.core.catalog and record["lifecycle"] == "schedulable":
+            self.core.delete_worker(worker_id)  # not kept half-registered: registering it again retries all
+            raise Unavailable(f"worker {worker_id} not registered: {'; '.join(problems)}")
+        for problem in problems:  # a removal the services did not take: their TTLs and owners clean up
+            logger.warning("%s", problem)
+
+    async def upsert_worker(self, request: WorkerRequest) -> HandlerResult:
+        record, changes = self.core.upsert_worker(request)
+        await self._register(record["worker_id"], record, changes)
+        _log_record("registered", record)
+        return 201, record
+
+    async def patch_worker(self, params: PathParams, patch: WorkerPatch) -> HandlerResult:
+        record, changes = self.core.patch_worker(_worker_id(params), patch)
+        await self._register(record["worker_id"], record, changes)
+        _log_record("patched", record)
+        return 200, record
+
+    async def delete_worker(self, params: PathParams, query: QueryParams) -> HandlerResult:
+        record, changes = self.core.delete_worker(_worker_id(params))
+        await self._register(record["worker_id"], record, changes)
+        logger.info("worker %d removed", record["worker_id"])
+        return 200, record
+
+    # --- selection ------------------------------------------------------------------------------
+
+    async def _readings(self, request: SelectRequest | QueryRequest) -> Readings:
+        prompt = self.core.prompt_of(request)
+        block_size = self.core.partitions[request.partition].block_size
+        return await self.shared.read(request.partition, prompt, block_size)
+
+    async def select(self, request: SelectRequest) -> HandlerResult:
+        return 200, self.core.select(request, await self._readings(request))
+
+    async def select_and_reserve(self, request: SelectRequest) -> HandlerResult:
+        readings = await self._readings(request)
+        answer = self.core.select_and_reserve(request, readings)
+        await self._add(answer["selection_id"])
+        return 200, answer
+
+    async def reserve(self, request: ReservationRequest) -> HandlerResult:
+        answer = self.core.reserve(request)
+        await self._add(request.selection_id)
+        return 201, answer
+
+    async def _add(self, selection_id: str) -> None:
+        try:
+            await self.shared.add(self.core.reservations[selection_id])
+        except ServiceError:
+            self.core.free(selection_id)  # booked nowhere, then
+            raise
+
+    async def prefill_complete(self, params: PathParams, body: Any) -> HandlerResult:
+        selection_id = params["selection_id"]
+        await self._lifecycle(selection_id, self.shared.prefill_complete)
+        self.core.prefill_complete(selection_id)
+        return 200, OK
+
+    async def output_block(self, params: PathParams, request: OutputBlockRequest | None) -> HandlerResult:
+        selection_id = params["selection_id"]
+        self.core.output_block(selection_id, request)
+        reservation = self.core.reservations[selection_id]
+        count = round_half_away(reservation.output_load)
+        if count > reservation.reported_output_blocks:  # the shared count only grows: a decay stays local
+            await self._lifecycle(selection_id, lambda held: self.shared.output_blocks(held, count))
+            reservation.reported_output_blocks = count
+        return 200, OK
+
+    async def free(self, params: PathParams, query: QueryParams) -> HandlerResult:
+        selection_id = params["selection_id"]
+        await self._lifecycle(selection_id, self.shared.free)
+        self.core.free(selection_id)
+        return 200, OK
+
+    async def _lifecycle(self, selection_id: str, call: Callable[[Reservation], Awaitable[None]]) -> None:
+        reservation = self.core.reservations.get(selection_id)
+        if reservation is None:
+            raise NotFound(f"reservation {selection_id} not found")
+        try:
+            await call(reservation)
+        except NotFound:
+            if selection_id in self.core.reservations:
+                self.core.free(selection_id)  # the slot tracker dropped it (TTL, worker left): so does the selector
+            raise
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    async def loads(self, params: QueryParams) -> HandlerResult:
+        return 200, await self.shared.loads(self.core, *_filters(params))
+
+    async def potential_loads(self, request: QueryRequest) -> HandlerResult:
+        return 200, self.core.potential_loads(request, await self._readings(request))
+
+    async def overlap_scores(self, request: QueryRequest) -> HandlerResult:
+        return 200, self.core.overlap_scores(request, await self._readings(request))
+
+    async def dump(self, params: QueryParams) -> HandlerResult:
+        return 200, await self.shared.dump()
 
 
 def _filters(params: QueryParams) -> tuple[str | None, str | None]:
@@ -250,13 +376,45 @@ async def _sweep_forever(core: SelectionCore, interval: float) -> None:
             core.sessions.sweep()
 
 
+async def _register_workers(routes: SelectRoutes, workers: tuple[WorkerRequest, ...], retry_secs: float) -> None:
+    """`--workers`: register each; in remote mode one the services refuse for now (unreachable)
+    is tried again every `retry_secs` until it is registered."""
+    todo = list(workers)
+    while todo:
+        failed = []
+        for worker in todo:
+            try:
+                result = routes.upsert_worker(worker)
+                if not isinstance(result, tuple):
+                    await result
+            except ServiceError as exc:
+                logger.warning("worker %d from --workers: %s (retrying in %ss)", worker.worker_id, exc.message,
+                               retry_secs)
+                failed.append(worker)
+        todo = failed
+        if todo:
+            await asyncio.sleep(retry_secs)
+
+
 def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: SelectionCore | None = None) -> http.Service:
     """The selection service app. Start-up merges the first reachable `indexer_peers`' dump into
     the index (workers are not recovered: register them again); shutdown refuses new selections,
     then closes the engine subscriptions."""
     core = core if core is not None else SelectionCore(config.selection)
     listeners = Listeners(core.indexer, replay_timeout_secs=config.replay_timeout_secs)
-    routes = SelectRoutes(core, listeners)
+    shared: SharedState | None = None
+    routes: SelectRoutes
+    if config.remote:
+        assert config.slot_tracker_url is not None and config.indexer_url is not None
+        lean = all(url.startswith("http://") for url in (config.slot_tracker_url, config.indexer_url))
+        shared = SharedState(
+            AsyncSlotTrackerClient(config.slot_tracker_url, timeout=config.service_timeout_secs, lean=lean,
+                                   credentials=config.peer_credentials),
+            AsyncIndexerClient(config.indexer_url, timeout=config.service_timeout_secs, lean=lean,
+                               credentials=config.peer_credentials))
+        routes = RemoteSelectRoutes(core, listeners, shared)
+    else:
+        routes = SelectRoutes(core, listeners)
     readiness = ReadyEndpoint(core)
 
     @contextlib.asynccontextmanager
@@ -264,8 +422,9 @@ def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: Select
         if config.indexer_peers:
             await recover(core.indexer, list(config.indexer_peers), deadline_secs=config.recovery_deadline_secs,
                           credentials=config.peer_credentials)
-        for worker in config.workers:
-            routes.upsert_worker(worker)
+        registering = asyncio.create_task(_register_workers(routes, config.workers, config.sweep_interval_secs))
+        if not config.remote:
+            await registering  # in one process nothing can fail for a while
         sweeper = asyncio.create_task(_sweep_forever(core, config.sweep_interval_secs))
         readiness.started = True
         try:
@@ -274,8 +433,11 @@ def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: Select
             core.shutting_down = True
             readiness.started = False
             sweeper.cancel()
-            await asyncio.gather(sweeper, return_exceptions=True)
+            registering.cancel()
+            await asyncio.gather(sweeper, registering, return_exceptions=True)
             await listeners.close()
+            if shared is not None:
+                await shared.aclose()
 
     read_output_block = optional_reader(OutputBlockRequest)
     app = http.Service(
@@ -311,4 +473,4 @@ def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: Select
     return app
 
 
-__all__ = ["MAX_BODY", "SelectRoutes", "SelectServiceConfig", "create_app", "load_workers"]
+__all__ = ["MAX_BODY", "RemoteSelectRoutes", "SelectRoutes", "SelectServiceConfig", "create_app", "load_workers"]

@@ -31,6 +31,7 @@ from dynamo_lite.errors import Conflict, InvalidArgument, NotFound, ServiceError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed_list
 from dynamo_lite.indexer.core import Indexer, QueryResult
 from dynamo_lite.indexer.listeners import Subscription
+from dynamo_lite.registrar import IndexedRank, TrackerWorker
 from dynamo_lite.scheduling import (
     AllBusy,
     NoWorkerAvailable,
@@ -104,12 +105,58 @@ class SelectionSettings:
     seed: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A catalog change as one call on a service that holds the state (what a selector in
+    remote mode sends): `register` or not (unregister) `unit`, a slot tracker worker or an
+    indexer rank."""
+
+    register: bool
+    unit: TrackerWorker | IndexedRank
+
+
 @dataclass(slots=True)
 class ListenerChanges:
-    """What the shell must do to the engine subscriptions after a catalog change."""
+    """What the shell must do after a catalog change: the engine subscriptions to stop and
+    start (one process), or the registrations to send, in order (remote mode)."""
 
     start: list[Subscription] = field(default_factory=list)
     stop: list[RankKey] = field(default_factory=list)
+    registrations: list[Registration] = field(default_factory=list)
+
+    def track(self, record: WorkerRecord, register: bool = True) -> None:
+        ranks = record.ranks()
+        assert record.block_size is not None
+        self.registrations.append(Registration(register, TrackerWorker(
+            record.worker_id, *record.partition, record.block_size, ranks.start, len(ranks))))
+
+    def index(self, record: WorkerRecord, rank: int, endpoint: str | None, register: bool = True) -> None:
+        assert record.block_size is not None
+        self.registrations.append(Registration(register, IndexedRank(
+            record.worker_id, rank, *record.partition, record.block_size, endpoint, record.replay_endpoint or None)))
+
+    def ensure(self, record: WorkerRecord) -> None:
+        """Register every unit of a schedulable record, not only the changed ones: the services a
+        selector shares may have lost them (another selector removed the worker)."""
+        wanted = ListenerChanges()
+        wanted.track(record)
+        for rank, endpoint in sorted(record.listener_endpoints().items()):
+            if rank in record.ranks():
+                wanted.index(record, rank, endpoint)
+        sent = {r.unit for r in self.registrations if r.register}
+        self.registrations.extend(r for r in wanted.registrations if r.unit not in sent)
+
+
+@dataclass(frozen=True, slots=True)
+class Readings:
+    """What a selection reads, read by the shell from the services that hold the state (remote
+    mode) rather than from this core's own indexer and slot tracker: the prompt (`prompt_of`),
+    its cached blocks per rank and tier, and every rank's load with the prompt added (the rows
+    of `/potential_loads` with no new prefill tokens)."""
+
+    prompt: Prompt
+    cached: QueryResult
+    loads: list[dict[str, int]]
 
 
 @dataclass(slots=True)
@@ -129,6 +176,7 @@ class Reservation:
     prefilled: bool = False
     output_blocks: int = 0
     output_load: float = 0.0  # the output blocks weighed by the last decay fraction
+    reported_output_blocks: int = 0  # remote mode: the count the shared slot tracker holds (it only grows)
 
     @property
     def rank(self) -> RankKey:
@@ -274,6 +322,7 @@ class SelectionCore:
         state.workers[record.worker_id] = record
         ranks = record.ranks()
         self.tracker.register(record.worker_id, model_name, routing_group, block_size, ranks.start, len(ranks))
+        changes.track(record)
         endpoints = record.listener_endpoints()
         for rank in ranks:
             self._index_rank(record, rank, endpoints[rank], changes)
@@ -286,6 +335,7 @@ class SelectionCore:
         self.indexer.register(record.worker_id, model_name, routing_group, record.block_size, rank, endpoint, replay)
         changes.start.append(Subscription(model_name, routing_group, record.block_size, record.worker_id, rank,
                                           endpoint, replay))
+        changes.index(record, rank, endpoint)
 
     def _capacity(self, record: WorkerRecord) -> None:
         for rank in record.ranks():
@@ -299,7 +349,9 @@ class SelectionCore:
         for key in sorted(doomed):
             self.indexer.unregister(record.worker_id, model_name, routing_group, key[1])
             changes.stop.append(key)
+            changes.index(record, key[1], None, register=False)
         self.tracker.unregister(record.worker_id, model_name, routing_group)
+        changes.track(record, register=False)
         self._drop_bookings(doomed)
         self.scheduler.forget(doomed)
         state = self.partitions[record.partition]
@@ -328,15 +380,18 @@ class SelectionCore:
         for rank in sorted(set(old.ranks()) - kept):
             self.indexer.unregister(old.worker_id, model_name, routing_group, rank)
             changes.stop.append((old.worker_id, rank))
+            changes.index(old, rank, None, register=False)
         dropped = {(old.worker_id, rank) for rank in set(old.ranks()) - set(new.ranks())}
         if old.ranks() != new.ranks():
             survivors = [r for r in self.reservations.values()
                          if r.worker_id == old.worker_id and r.rank not in dropped]
             self._drop_bookings(dropped)
             self.tracker.unregister(old.worker_id, model_name, routing_group)
+            changes.track(old, register=False)
             ranks = new.ranks()
             assert new.block_size
             self.tracker.register(new.worker_id, model_name, routing_group, new.block_size, ranks.start, len(ranks))
+            changes.track(new)
             self._rebook(survivors)
             self.scheduler.forget(dropped)
         for rank in sorted(set(new.ranks()) - kept):
@@ -355,11 +410,18 @@ class SelectionCore:
                 self.tracker.prefill_complete(model_name, routing_group, reservation.selection_id)
             if reservation.output_load:
                 self.tracker.set_output_blocks(model_name, routing_group, reservation.selection_id,
-                                               _round(reservation.output_load))
+                                               round_half_away(reservation.output_load))
 
     # --- selection ------------------------------------------------------------------------------
 
-    def select(self, request: SelectRequest) -> dict[str, Any]:
+    def prompt_of(self, request: PromptFields, *, for_selection: bool = True) -> Prompt:
+        """The request's prompt in its partition's block size (the partition must be ready):
+        what a shell in remote mode reads the services for before it calls `select`,
+        `select_and_reserve`, `potential_loads` or `overlap_scores` with `Readings`."""
+        state = self._ready(request.partition)
+        return self._prompt(request, state.block_size, for_selection=for_selection)
+
+    def select(self, request: SelectRequest, readings: Readings | None = None) -> dict[str, Any]:
         """`POST /select`: the best rank, nothing booked; with a `selection_id`, the choice is kept
         for a `POST /reservations` to book it."""
         partition = request.partition
@@ -367,11 +429,12 @@ class SelectionCore:
         session = request.session
         if session is not None and self.sessions is not None:
             check_session_id(session)
-        prompt = self._prompt(request, state.block_size, for_selection=True)
+        prompt = readings.prompt if readings is not None else self._prompt(request, state.block_size,
+                                                                           for_selection=True)
         tracking = self._tracking(request)
         steered = self._steered(request)
         bound = self.sessions.bound(partition, steered) if self.sessions is not None and steered else None
-        chosen, selection, tiers, record = self._choose(request, state, prompt, tracking, bound)
+        chosen, selection, tiers, record, rows = self._choose(request, state, prompt, tracking, bound, readings)
         answer = self._answer(request, partition, record, chosen, tiers, prompt, state.block_size, tracking)
         if request.selection_id is not None:
             answer = {"selection_id": request.selection_id, **answer}
@@ -380,9 +443,8 @@ class SelectionCore:
                 answer["effective_prefill_tokens"], tracking, request.expected_output_tokens, request.lora_name,
                 steered, chosen))
         if request.advisory:
-            row = self.tracker.potential_load_rows(*partition, [], 0)
-            active = next(r["potential_prefill_tokens"] for r in row
-                          if (r["worker_id"], r["dp_rank"]) == chosen.key)
+            # A rank's potential prefill with no new tokens is its active prefill, whatever the prompt.
+            active = rows[chosen.key]["potential_prefill_tokens"]
             load: dict[str, Any] = {"active_prefill_tokens": active,
                                     "prefill_token_capacity": record.max_num_batched_tokens or ADVISORY_CAPACITY}
             if record.total_kv_blocks is not None:
@@ -390,7 +452,7 @@ class SelectionCore:
             answer["worker_load"] = load
         return answer
 
-    def select_and_reserve(self, request: SelectRequest) -> dict[str, Any]:
+    def select_and_reserve(self, request: SelectRequest, readings: Readings | None = None) -> dict[str, Any]:
         """`POST /select_and_reserve`: the best rank, booked under `selection_id` (a new UUID when
         the request has none)."""
         partition = request.partition
@@ -401,7 +463,8 @@ class SelectionCore:
         session = request.session
         if session is not None and self.sessions is not None:
             check_session_id(session)
-        prompt = self._prompt(request, state.block_size, for_selection=True)
+        prompt = readings.prompt if readings is not None else self._prompt(request, state.block_size,
+                                                                           for_selection=True)
         tracking = self._tracking(request)
         steered = self._steered(request)
         bound = None
@@ -410,7 +473,7 @@ class SelectionCore:
             if bound is not None and not self._schedulable_rank(partition, bound):
                 self.sessions.invalidate(partition, steered)
                 bound = None
-        chosen, selection, tiers, record = self._choose(request, state, prompt, tracking, bound)
+        chosen, selection, tiers, record, _ = self._choose(request, state, prompt, tracking, bound, readings)
         answer = self._answer(request, partition, record, chosen, tiers, prompt, state.block_size, tracking)
         self._book(selection_id, partition, chosen.worker_id, chosen.dp_rank, prompt.sequence_hashes,
                    answer["effective_prefill_tokens"] if tracking else 0, state.block_size, chosen, steered)
@@ -556,16 +619,30 @@ class SelectionCore:
         """`assume_kv_reuse` off: every block of the request counts as its own."""
         return [self._random.getrandbits(64) - 2**63 for _ in range(count)]
 
+    def _read(self, partition: Partition, prompt: Prompt,
+              readings: Readings | None) -> tuple[QueryResult, list[dict[str, int]]]:
+        if readings is not None:
+            return readings.cached, readings.loads
+        return (self.indexer.query(*partition, prompt.local_hashes),
+                self.tracker.potential_load_rows(*partition, prompt.sequence_hashes, 0))
+
     def _choose(self, request: SelectRequest, state: _PartitionState, prompt: Prompt, tracking: bool,
-                bound: RankKey | None) -> tuple[RankCost, Selection, dict[RankKey, _Tiers], WorkerRecord]:
-        partition = request.partition
-        model_name, routing_group = partition
+                bound: RankKey | None, readings: Readings | None = None,
+                ) -> tuple[RankCost, Selection, dict[RankKey, _Tiers], WorkerRecord, dict[RankKey, dict[str, int]]]:
         candidates = self._candidates(request, state, bound)
         if not candidates:
             raise NoCandidate("no endpoints available to route work")
-        tiers = self._tiers(self.indexer.query(model_name, routing_group, prompt.local_hashes))
-        rows = {(row["worker_id"], row["dp_rank"]): row for row in self.tracker.potential_load_rows(
-            model_name, routing_group, prompt.sequence_hashes, 0)}
+        overlap, load_rows = self._read(request.partition, prompt, readings)
+        tiers = self._tiers(overlap)
+        rows = {(row["worker_id"], row["dp_rank"]): row for row in load_rows}
+        if readings is not None:
+            # The shared slot tracker may not hold a rank this catalog has (another selector
+            # removed its worker): such a rank cannot be booked, so it is no candidate.
+            candidates = [(record, rank) for record, rank in candidates if (record.worker_id, rank) in rows]
+            if not candidates:
+                model_name, routing_group = request.partition
+                raise NotReady(f"the slot tracker holds none of the candidate ranks of model={model_name} "
+                               f"routing_group={routing_group}")
         override = request.router_config_override
         credit = 1.0
         weight: float | None = None
@@ -588,7 +665,7 @@ class SelectionCore:
             key = (record.worker_id, rank)
             row = rows[key]
             cached = tiers.get(key)
-            cached_tokens = min(isl, _round(cached.weighted_blocks(credit) * block_size)) if cached else 0
+            cached_tokens = min(isl, round_half_away(cached.weighted_blocks(credit) * block_size)) if cached else 0
             loads.append(RankState(record.worker_id, rank, cached_tokens,
                                    row["potential_prefill_tokens"] if tracking else 0,
                                    row["potential_decode_blocks"], row["active_requests"]))
@@ -603,7 +680,7 @@ class SelectionCore:
         except NoWorkerAvailable as exc:
             raise NoCandidate(str(exc)) from None
         chosen = selection.chosen
-        return chosen, selection, tiers, state.workers[chosen.worker_id]
+        return chosen, selection, tiers, state.workers[chosen.worker_id], rows
 
     def _candidates(self, request: SelectRequest, state: _PartitionState,
                     bound: RankKey | None) -> list[tuple[WorkerRecord, int]]:
@@ -650,7 +727,7 @@ class SelectionCore:
         tokens left to prefill there and its decode blocks with the request added."""
         isl = prompt.isl_tokens
         own = tiers.get(chosen.key)
-        cached = min(isl, _round(own.weighted_blocks() * block_size)) if own is not None else 0
+        cached = min(isl, round_half_away(own.weighted_blocks() * block_size)) if own is not None else 0
         gpu = cpu = disk = 0
         per_rank: dict[str, int] = {}
         for rank in record.ranks():
@@ -688,7 +765,7 @@ class SelectionCore:
             reservation.output_load += 1.0
         else:
             reservation.output_load = reservation.output_blocks * fraction
-        self.tracker.set_output_blocks(*reservation.partition, selection_id, _round(reservation.output_load),
+        self.tracker.set_output_blocks(*reservation.partition, selection_id, round_half_away(reservation.output_load),
                                        may_shrink=True)
 
     def free(self, selection_id: str) -> None:
@@ -734,28 +811,32 @@ class SelectionCore:
                            "pending_count": 0, "pending_isl_tokens": 0})
         return answer
 
-    def potential_loads(self, request: QueryRequest) -> list[dict[str, Any]]:
+    def potential_loads(self, request: QueryRequest, readings: Readings | None = None) -> list[dict[str, Any]]:
         """`POST /potential_loads`: every schedulable rank's load with the prompt added there."""
         partition = request.partition
         state = self._ready(partition)
-        prompt = self._prompt(request, state.block_size, for_selection=True)
+        prompt = readings.prompt if readings is not None else self._prompt(request, state.block_size,
+                                                                           for_selection=True)
         tracking = self._tracking(request)
-        tiers = self._tiers(self.indexer.query(*partition, prompt.local_hashes))
-        rows = self.tracker.potential_load_rows(*partition, prompt.sequence_hashes, 0)
+        overlap, loads = self._read(partition, prompt, readings)
+        tiers = self._tiers(overlap)
+        rows = [dict(row) for row in loads] if readings is not None else loads
         if tracking:
             isl = prompt.isl_tokens
             for row in rows:
                 cached = tiers.get((row["worker_id"], row["dp_rank"]))
-                cached_tokens = min(isl, _round(cached.weighted_blocks() * state.block_size)) if cached else 0
+                cached_tokens = min(isl, round_half_away(cached.weighted_blocks() * state.block_size)) if cached else 0
                 row["potential_prefill_tokens"] += isl - cached_tokens
         return rows
 
-    def overlap_scores(self, request: QueryRequest) -> dict[str, Any]:
+    def overlap_scores(self, request: QueryRequest, readings: Readings | None = None) -> dict[str, Any]:
         """`POST /overlap_scores`: the prompt's cached blocks on every schedulable rank, per tier."""
         partition = request.partition
         state = self._ready(partition)
-        prompt = self._prompt(request, state.block_size, for_selection=True)
-        tiers = self._tiers(self.indexer.query(*partition, prompt.local_hashes))
+        prompt = readings.prompt if readings is not None else self._prompt(request, state.block_size,
+                                                                           for_selection=True)
+        tiers = self._tiers(readings.cached if readings is not None else
+                            self.indexer.query(*partition, prompt.local_hashes))
         keys = {(worker_id, rank) for worker_id, record in state.workers.items() for rank in record.ranks()}
         keys.update(tiers)
         rows = []
@@ -784,7 +865,7 @@ class _PartitionState:
     workers: dict[int, WorkerRecord] = field(default_factory=dict)
 
 
-def _round(value: float) -> int:
+def round_half_away(value: float) -> int:
     """Half away from zero (Rust's `f64::round`), not Python's half to even: 2.5 -> 3."""
     return math.floor(value + 0.5)
 
@@ -803,6 +884,6 @@ def _describe_ranks(record: WorkerRecord) -> str:
 
 
 __all__ = [
-    "DEFAULT_REQUEST_TTL_SECS", "ListenerChanges", "NoCandidate", "NotReady", "Overloaded", "Prompt", "Reservation",
-    "SelectionCore", "SelectionSettings",
+    "DEFAULT_REQUEST_TTL_SECS", "ListenerChanges", "NoCandidate", "NotReady", "Overloaded", "Prompt", "Readings",
+    "Registration", "Reservation", "SelectionCore", "SelectionSettings", "round_half_away",
 ]
