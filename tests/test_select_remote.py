@@ -64,7 +64,7 @@ def test_two_selectors_share_the_cache_and_the_load(
         again = client.post(f"{second}/select_and_reserve",
                             json={"model_name": MODEL, "token_ids": prompt, "selection_id": "a"})
         assert again.status_code == 409, again.text
-        assert client.post(f"{second}/reservations/a/prefill_complete").status_code == 404  # not its booking
+        assert client.post(f"{second}/reservations/a/output_block", json={}).status_code == 404  # counted by "first"
 
         assert client.post(f"{first}/reservations/a/prefill_complete").status_code == 200
         for fraction in (None, None, 0.25):  # two blocks, then decayed to a quarter: the shared count stays
@@ -74,7 +74,7 @@ def test_two_selectors_share_the_cache_and_the_load(
         assert {row["worker_id"]: row["potential_prefill_tokens"] for row in rows} == {1: 0, 2: 0}
         assert {row["worker_id"]: row["potential_decode_blocks"] for row in rows}[1] == 5 + 2
         assert client.delete(f"{first}/reservations/a").json() == {"status": "ok"}
-        assert client.delete(f"{first}/reservations/a").status_code == 404
+        assert client.delete(f"{first}/reservations/a").status_code == 200  # forwarded: /free is idempotent
         (loads,) = client.get(f"{second}/loads", params={"model_name": MODEL}).json()
         assert all(row["active_requests"] == 0 for row in loads["loads"])
 
@@ -91,6 +91,17 @@ def test_two_selectors_share_the_cache_and_the_load(
             1: (1, 0), 2: (1, 80)}
         for selector, selection in ((second, "b"), (first, "c")):
             assert client.delete(f"{selector}/reservations/{selection}").status_code == 200
+        # A selector that goes away leaves its bookings in the shared slot tracker: another one
+        # completes and frees them (what it cannot do is count their output: "first" counts it).
+        booked = client.post(f"{first}/select_and_reserve",
+                             json={"model_name": MODEL, "token_ids": prompt, "selection_id": "e"})
+        assert booked.status_code == 200 and booked.json()["effective_prefill_tokens"] == 0
+        assert client.post(f"{second}/reservations/e/prefill_complete").status_code == 200
+        assert client.post(f"{second}/reservations/never-booked/prefill_complete").status_code == 404
+        assert client.delete(f"{second}/reservations/e").status_code == 200
+        rows = client.post(f"{tracker}/potential_loads", json={"model_name": MODEL, "sequence_hashes": []}).json()
+        assert all(row["active_requests"] == 0 for row in rows)
+        assert client.delete(f"{first}/reservations/e").status_code == 200  # its own record of it ends too
         assert client.post(f"{first}/potential_loads", json={"model_name": MODEL, "token_ids": prompt}).status_code \
             == 200
         assert client.get(f"{first}/dump").json() == client.get(f"{indexer}/dump").json()

@@ -255,6 +255,9 @@ class RemoteSelectRoutes(SelectRoutes):
 
     async def prefill_complete(self, params: PathParams, body: Any) -> HandlerResult:
         selection_id = params["selection_id"]
+        if selection_id not in self.core.reservations:
+            await self.shared.foreign_prefill_complete(sorted(self.core.partitions), selection_id)
+            return 200, OK
         await self._lifecycle(selection_id, self.shared.prefill_complete)
         self.core.prefill_complete(selection_id)
         return 200, OK
@@ -271,6 +274,9 @@ class RemoteSelectRoutes(SelectRoutes):
 
     async def free(self, params: PathParams, query: QueryParams) -> HandlerResult:
         selection_id = params["selection_id"]
+        if selection_id not in self.core.reservations:
+            await self.shared.foreign_free(sorted(self.core.partitions), selection_id)
+            return 200, OK
         await self._lifecycle(selection_id, self.shared.free)
         self.core.free(selection_id)
         return 200, OK

@@ -144,6 +144,29 @@ class SharedState:
                     reservation.selection_id)
 
 
+    # --- another selector's bookings (it is gone, or the gateway asked the wrong one) -------------
+
+    async def foreign_prefill_complete(self, partitions: list[Partition], selection_id: str) -> None:
+        """`prefill_complete` for a booking this selector did not make: sent to the slot tracker in
+        each partition of the catalog until one holds it; NotFound when none does."""
+        for model_name, routing_group in partitions:
+            try:
+                await _book(self.slot_tracker.prefill_complete(model_name, selection_id, tenant_id=routing_group),
+                            selection_id)
+            except NotFound:
+                continue
+            return
+        raise NotFound(f"reservation {selection_id} not found")
+
+    async def foreign_free(self, partitions: list[Partition], selection_id: str) -> None:
+        """`DELETE` for a booking this selector did not make: the slot tracker's `/free` is
+        idempotent, so it goes to every partition of the catalog."""
+        if not partitions:
+            raise NotFound(f"reservation {selection_id} not found")
+        await asyncio.gather(*(_book(self.slot_tracker.free(model_name, selection_id, tenant_id=routing_group),
+                                     selection_id) for model_name, routing_group in partitions))
+
+
 async def _read(service: str, call: Awaitable[T], *, empty_on_404: bool = False) -> T:
     """One read; a 404 (the partition has no worker there) is `NotReady`, or None for the indexer
     (nothing cached yet), anything else that fails `Unavailable`."""
