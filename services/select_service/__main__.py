@@ -20,6 +20,7 @@ from dynamo_lite.cli import (
     service_parser,
 )
 from dynamo_lite.indexer.listeners import DEFAULT_REPLAY_TIMEOUT_SECS
+from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 from dynamo_lite.scheduling import SchedulerConfigError
 from dynamo_lite.scheduling.flags import add_scheduling_arguments, scheduler_config
 
@@ -27,6 +28,7 @@ from .affinity import MAX_TTL_SECS, MIN_TTL_SECS
 from .app import DEFAULT_RECOVERY_DEADLINE_SECS, SelectServiceConfig, create_app, load_workers
 from .core import DEFAULT_REQUEST_TTL_SECS, SelectionSettings
 from .pending import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_TTL_SECS
+from .replicas import DEFAULT_BUCKET_PREFIX, DEFAULT_SUBJECT_PREFIX, ReplicaSettings
 
 DEFAULT_PORT = 8092
 
@@ -78,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of in-process (with --slot-tracker)")
     remote.add_argument("--service-timeout-secs", type=positive_float, default=2.0,
                         help="remote mode: how long a call to the slot tracker or the indexer may take")
+    group = add_nats_arguments(parser, subject_prefix=DEFAULT_SUBJECT_PREFIX,
+                               what="the catalog and the bookings (remote mode: cached blocks and loads are the "
+                               "slot tracker's and the indexer's, replicated on their own)")
+    group.add_argument("--nats-bucket-prefix", default=DEFAULT_BUCKET_PREFIX,
+                       help="prefix of the JetStream key-value bucket holding the catalog (<prefix>_catalog); "
+                       "replicas of one fleet use the same one")
     add_security_arguments(parser)
     return parser
 
@@ -102,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     check_security_arguments(parser, args)
     if (args.slot_tracker is None) != (args.indexer is None):
         parser.error("remote mode takes both --slot-tracker and --indexer")
+    if args.nats is not None and args.slot_tracker is None:
+        parser.error("replicas (--nats) share loads and cached blocks through a slot tracker and an indexer: "
+                     "give --slot-tracker and --indexer")
     if args.slot_tracker is not None and args.indexer_peers:
         parser.error("--indexer-peers recovers an in-process index: in remote mode the indexer holds it")
     configure_logging(args.log_level, args.log_format)
@@ -129,7 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.slot_tracker is not None:
         logging.getLogger("dynamo_lite.select_service").info(
-            "remote mode: slot tracker %s, indexer %s", args.slot_tracker, args.indexer)
+            "remote mode: slot tracker %s, indexer %s%s", args.slot_tracker, args.indexer,
+            f"; replicas through NATS at {args.nats} (bucket {args.nats_bucket_prefix}_catalog, subjects "
+            f"{args.nats_subject_prefix}.*)" if args.nats else "")
     serve(create_app(SelectServiceConfig(
         selection=settings,
         indexer_peers=args.indexer_peers,
@@ -140,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         slot_tracker_url=args.slot_tracker,
         indexer_url=args.indexer,
         service_timeout_secs=args.service_timeout_secs,
+        replicas=ReplicaSettings(args.nats, args.nats_subject_prefix, args.nats_bucket_prefix,
+                                 NatsSecurity.from_args(args)) if args.nats else None,
     )), args)
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import yaml
@@ -33,7 +33,16 @@ from dynamo_lite.indexer.peers import recover
 from dynamo_lite.integers import U64_MAX
 from dynamo_lite.metrics import PREFIX
 
-from .core import ListenerChanges, Readings, Reservation, SelectionCore, SelectionSettings, round_half_away
+from .core import (
+    ListenerChanges,
+    Partition,
+    Readings,
+    Reservation,
+    SelectionCore,
+    SelectionSettings,
+    output_after_block,
+    round_half_away,
+)
 from .protocols import (
     OutputBlockRequest,
     QueryRequest,
@@ -46,12 +55,16 @@ from .protocols import (
 )
 from .remote import SharedState, Unavailable
 
+if TYPE_CHECKING:  # nats-py is imported only with --nats
+    from .replicas import Replicas, ReplicaSettings, SharedBooking
+
 logger = logging.getLogger("dynamo_lite.select_service")
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.yaml")
 # Dynamo's body limit: a 4M-token prompt's ids fit (its JSON is about 8 bytes a token).
 MAX_BODY = 8 * 1024 * 1024
 DEFAULT_SWEEP_INTERVAL_SECS = 1.0
+DEFAULT_CATALOG_DEADLINE_SECS = 30.0  # --nats: reading the shared catalog at start-up
 DEFAULT_RECOVERY_DEADLINE_SECS = 10.0
 OK = http.Encoded(b'{"status":"ok"}')
 _FILTERS = frozenset({"model_name", "routing_group", "tenant_id"})
@@ -73,6 +86,7 @@ class SelectServiceConfig:
     slot_tracker_url: str | None = None
     indexer_url: str | None = None
     service_timeout_secs: float = 2.0
+    replicas: ReplicaSettings | None = None  # --nats: share the catalog and bookings with other replicas (remote mode)
 
     @property
     def remote(self) -> bool:
@@ -190,9 +204,11 @@ class RemoteSelectRoutes(SelectRoutes):
     """The routes of a selector in remote mode (`remote`): the same core calls, with the reads
     and bookings on the shared slot tracker and indexer."""
 
-    def __init__(self, core: SelectionCore, listeners: Listeners, shared: SharedState) -> None:
+    def __init__(self, core: SelectionCore, listeners: Listeners, shared: SharedState,
+                 replicas: Replicas | None = None) -> None:
         super().__init__(core, listeners)
         self.shared = shared
+        self.replicas = replicas
 
     # --- the catalog: registered with both services, or not kept ----------------------------------
 
@@ -206,6 +222,8 @@ class RemoteSelectRoutes(SelectRoutes):
             raise Unavailable(f"worker {worker_id} not registered: {'; '.join(problems)}")
         for problem in problems:  # a removal the services did not take: their TTLs and owners clean up
             logger.warning("%s", problem)
+        if self.replicas is not None:
+            await self.replicas.record_changed(worker_id, record if worker_id in self.core.catalog else None)
 
     async def upsert_worker(self, request: WorkerRequest) -> HandlerResult:
         record, changes = self.core.upsert_worker(request)
@@ -247,50 +265,96 @@ class RemoteSelectRoutes(SelectRoutes):
         return 201, answer
 
     async def _add(self, selection_id: str) -> None:
+        reservation = self.core.reservations[selection_id]
         try:
-            await self.shared.add(self.core.reservations[selection_id])
+            await self.shared.add(reservation)
         except ServiceError:
             self.core.free(selection_id)  # booked nowhere, then
             raise
+        self._announce("book", selection_id, reservation)
 
     async def prefill_complete(self, params: PathParams, body: Any) -> HandlerResult:
         selection_id = params["selection_id"]
-        if selection_id not in self.core.reservations:
-            await self.shared.foreign_prefill_complete(sorted(self.core.partitions), selection_id)
+        reservation = self.core.reservations.get(selection_id)
+        if reservation is None:
+            shared = self._shared_booking(selection_id)
+            if shared is None:
+                await self.shared.foreign_prefill_complete(sorted(self.core.partitions), selection_id)
+                return 200, OK
+            await self._lifecycle(selection_id, shared.partition, self.shared.prefill_complete(shared.partition,
+                                                                                              selection_id))
+            shared.prefilled = True
+            self._announce("progress", selection_id, shared)
             return 200, OK
-        await self._lifecycle(selection_id, self.shared.prefill_complete)
+        await self._lifecycle(selection_id, reservation.partition,
+                              self.shared.prefill_complete(reservation.partition, selection_id))
         self.core.prefill_complete(selection_id)
+        self._announce("progress", selection_id, reservation)
         return 200, OK
 
     async def output_block(self, params: PathParams, request: OutputBlockRequest | None) -> HandlerResult:
         selection_id = params["selection_id"]
-        self.core.output_block(selection_id, request)
-        reservation = self.core.reservations[selection_id]
-        count = round_half_away(reservation.output_load)
-        if count > reservation.reported_output_blocks:  # the shared count only grows: a decay stays local
-            await self._lifecycle(selection_id, lambda held: self.shared.output_blocks(held, count))
-            reservation.reported_output_blocks = count
+        fraction = request.decay_fraction if request is not None else None
+        held: Reservation | SharedBooking | None = self.core.reservations.get(selection_id)
+        if held is None:
+            held = self._shared_booking(selection_id)
+            if held is None:
+                raise NotFound(f"reservation {selection_id} not found")
+            held.output_blocks, held.output_load = output_after_block(held.output_blocks, held.output_load, fraction)
+        else:
+            self.core.output_block(selection_id, request)
+        count = round_half_away(held.output_load)
+        if count > held.reported_output_blocks:  # the shared count only grows: a decay stays local
+            await self._lifecycle(selection_id, held.partition,
+                                  self.shared.output_blocks(held.partition, selection_id, count))
+            held.reported_output_blocks = count
+        self._announce("progress", selection_id, held)
         return 200, OK
 
     async def free(self, params: PathParams, query: QueryParams) -> HandlerResult:
         selection_id = params["selection_id"]
-        if selection_id not in self.core.reservations:
-            await self.shared.foreign_free(sorted(self.core.partitions), selection_id)
-            return 200, OK
-        await self._lifecycle(selection_id, self.shared.free)
-        self.core.free(selection_id)
-        return 200, OK
-
-    async def _lifecycle(self, selection_id: str, call: Callable[[Reservation], Awaitable[None]]) -> None:
         reservation = self.core.reservations.get(selection_id)
         if reservation is None:
-            raise NotFound(f"reservation {selection_id} not found")
+            shared = self._shared_booking(selection_id)
+            if shared is None:
+                await self.shared.foreign_free(sorted(self.core.partitions), selection_id)
+                return 200, OK
+            await self._lifecycle(selection_id, shared.partition, self.shared.free(shared.partition, selection_id))
+            self._forget(selection_id, shared)
+            return 200, OK
+        await self._lifecycle(selection_id, reservation.partition, self.shared.free(reservation.partition,
+                                                                                  selection_id))
+        self.core.free(selection_id)
+        self._announce("end", selection_id, reservation)
+        return 200, OK
+
+    async def _lifecycle(self, selection_id: str, partition: Partition, call: Awaitable[None]) -> None:
+        """One lifecycle call on the slot tracker; a booking it no longer holds (TTL, its worker
+        left) ends here too, and the answer is its 404."""
         try:
-            await call(reservation)
+            await call
         except NotFound:
             if selection_id in self.core.reservations:
-                self.core.free(selection_id)  # the slot tracker dropped it (TTL, worker left): so does the selector
+                reservation = self.core.reservations[selection_id]
+                self.core.free(selection_id)
+                self._announce("end", selection_id, reservation)
+            elif (shared := self._shared_booking(selection_id)) is not None:
+                self._forget(selection_id, shared)
             raise
+
+    # --- replicas: bookings made by another replica ------------------------------------------------
+
+    def _shared_booking(self, selection_id: str) -> SharedBooking | None:
+        return self.replicas.foreign.get(selection_id) if self.replicas is not None else None
+
+    def _forget(self, selection_id: str, shared: SharedBooking) -> None:
+        assert self.replicas is not None
+        self.replicas.foreign.pop(selection_id, None)
+        self._announce("end", selection_id, shared)
+
+    def _announce(self, kind: str, selection_id: str, held: Reservation | SharedBooking) -> None:
+        if self.replicas is not None:
+            self.replicas.announce(kind, selection_id, held)
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -372,9 +436,11 @@ def _open(endpoint: http.DirectEndpoint) -> http.DirectEndpoint:
     return endpoint
 
 
-async def _sweep_forever(core: SelectionCore, interval: float) -> None:
+async def _sweep_forever(core: SelectionCore, interval: float, replicas: Replicas | None = None) -> None:
     while True:
         await asyncio.sleep(interval)
+        if replicas is not None:
+            replicas.expire()
         expired = core.expire()
         if expired:
             logger.info("expired %d bookings older than %ss", expired, core.settings.request_ttl_secs)
@@ -409,6 +475,8 @@ def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: Select
     core = core if core is not None else SelectionCore(config.selection)
     listeners = Listeners(core.indexer, replay_timeout_secs=config.replay_timeout_secs)
     shared: SharedState | None = None
+    replicas: Replicas | None = None
+    replica_collectors: list[Collector] = []
     routes: SelectRoutes
     if config.remote:
         assert config.slot_tracker_url is not None and config.indexer_url is not None
@@ -418,7 +486,12 @@ def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: Select
                                    credentials=config.peer_credentials),
             AsyncIndexerClient(config.indexer_url, timeout=config.service_timeout_secs, lean=lean,
                                credentials=config.peer_credentials))
-        routes = RemoteSelectRoutes(core, listeners, shared)
+        if config.replicas is not None:
+            from .replicas import ReplicaCollector, Replicas
+
+            replicas = Replicas(config.replicas, core)
+            replica_collectors.append(ReplicaCollector(replicas))
+        routes = RemoteSelectRoutes(core, listeners, shared, replicas)
     else:
         routes = SelectRoutes(core, listeners)
     readiness = ReadyEndpoint(core)
@@ -428,10 +501,13 @@ def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: Select
         if config.indexer_peers:
             await recover(core.indexer, list(config.indexer_peers), deadline_secs=config.recovery_deadline_secs,
                           credentials=config.peer_credentials)
+        if replicas is not None:
+            await replicas.start()
+            await asyncio.wait_for(replicas.caught_up.wait(), DEFAULT_CATALOG_DEADLINE_SECS)
         registering = asyncio.create_task(_register_workers(routes, config.workers, config.sweep_interval_secs))
         if not config.remote:
             await registering  # in one process nothing can fail for a while
-        sweeper = asyncio.create_task(_sweep_forever(core, config.sweep_interval_secs))
+        sweeper = asyncio.create_task(_sweep_forever(core, config.sweep_interval_secs, replicas))
         readiness.started = True
         try:
             yield
@@ -442,6 +518,8 @@ def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: Select
             registering.cancel()
             await asyncio.gather(sweeper, registering, return_exceptions=True)
             await listeners.close()
+            if replicas is not None:
+                await replicas.close()
             if shared is not None:
                 await shared.aclose()
 
@@ -472,7 +550,7 @@ def create_app(config: SelectServiceConfig = SelectServiceConfig(), core: Select
             http.openapi_route(OPENAPI_PATH),
         ],
         lifespan=lifespan,
-        collectors=[SelectCollector(core), ListenerCollector(listeners)],
+        collectors=[SelectCollector(core), ListenerCollector(listeners), *replica_collectors],
     )
     app.state.core = core
     app.state.listeners = listeners

@@ -760,11 +760,8 @@ class SelectionCore:
         near its end will soon free them)."""
         fraction = request.decay_fraction if request is not None else None
         reservation = self._reservation(selection_id)
-        reservation.output_blocks += 1
-        if fraction is None:
-            reservation.output_load += 1.0
-        else:
-            reservation.output_load = reservation.output_blocks * fraction
+        reservation.output_blocks, reservation.output_load = output_after_block(
+            reservation.output_blocks, reservation.output_load, fraction)
         self.tracker.set_output_blocks(*reservation.partition, selection_id, round_half_away(reservation.output_load),
                                        may_shrink=True)
 
@@ -865,6 +862,13 @@ class _PartitionState:
     workers: dict[int, WorkerRecord] = field(default_factory=dict)
 
 
+def output_after_block(blocks: int, load: float, fraction: float | None) -> tuple[int, float]:
+    """A reservation's output blocks and output load after one more block: each block counts 1,
+    or, given a decay fraction, every block counts that fraction from then on."""
+    blocks += 1
+    return blocks, (load + 1.0 if fraction is None else blocks * fraction)
+
+
 def round_half_away(value: float) -> int:
     """Half away from zero (Rust's `f64::round`), not Python's half to even: 2.5 -> 3."""
     return math.floor(value + 0.5)
@@ -885,5 +889,5 @@ def _describe_ranks(record: WorkerRecord) -> str:
 
 __all__ = [
     "DEFAULT_REQUEST_TTL_SECS", "ListenerChanges", "NoCandidate", "NotReady", "Overloaded", "Prompt", "Readings",
-    "Registration", "Reservation", "SelectionCore", "SelectionSettings", "round_half_away",
+    "Registration", "Reservation", "SelectionCore", "SelectionSettings", "output_after_block", "round_half_away",
 ]

@@ -128,21 +128,19 @@ class SharedState:
                                           reservation.prefill_tokens, tenant_id=routing_group),
                     reservation.selection_id)
 
-    async def prefill_complete(self, reservation: Reservation) -> None:
-        model_name, routing_group = reservation.partition
-        await _book(self.slot_tracker.prefill_complete(model_name, reservation.selection_id, tenant_id=routing_group),
-                    reservation.selection_id)
+    async def prefill_complete(self, partition: Partition, selection_id: str) -> None:
+        model_name, routing_group = partition
+        await _book(self.slot_tracker.prefill_complete(model_name, selection_id, tenant_id=routing_group),
+                    selection_id)
 
-    async def output_blocks(self, reservation: Reservation, count: int) -> None:
-        model_name, routing_group = reservation.partition
-        await _book(self.slot_tracker.output_blocks(model_name, reservation.selection_id, count,
-                                                    tenant_id=routing_group), reservation.selection_id)
+    async def output_blocks(self, partition: Partition, selection_id: str, count: int) -> None:
+        model_name, routing_group = partition
+        await _book(self.slot_tracker.output_blocks(model_name, selection_id, count, tenant_id=routing_group),
+                    selection_id)
 
-    async def free(self, reservation: Reservation) -> None:
-        model_name, routing_group = reservation.partition
-        await _book(self.slot_tracker.free(model_name, reservation.selection_id, tenant_id=routing_group),
-                    reservation.selection_id)
-
+    async def free(self, partition: Partition, selection_id: str) -> None:
+        model_name, routing_group = partition
+        await _book(self.slot_tracker.free(model_name, selection_id, tenant_id=routing_group), selection_id)
 
     # --- another selector's bookings (it is gone, or the gateway asked the wrong one) -------------
 
