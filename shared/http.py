@@ -290,6 +290,11 @@ class DirectEndpoint(abc.ABC):
     # What a request's API key must reach when keys are configured (`Service.protect`); None:
     # READ for a GET route, WRITE for the others.
     access: Access | None = None
+    # True: while this endpoint's answer is a future not yet done, the native server keeps
+    # reading its connection, so that a client that hangs up is noticed, and cancels the
+    # future (the work it stands for stops: an engine's generation, a proxy's upstream calls).
+    # A client that half-closes its side while it waits counts as gone.
+    cancel_on_disconnect: bool = False
 
     @abc.abstractmethod
     def respond(self, query_string: bytes, body: bytes) -> Answer | LaterAnswer | StreamAnswer: ...

@@ -28,7 +28,10 @@ What a server on a shared network needs, and what this one does:
 * **Back-pressure.** A client that does not read its answers stops being read from.
 * **Answers that wait.** An endpoint may answer with a future (a replica waiting for NATS to
   acknowledge a publish). The connection then stops reading, queues the answers of requests
-  already parsed behind it, and writes them all in request order once it completes.
+  already parsed behind it, and writes them all in request order once it completes. An
+  endpoint with `cancel_on_disconnect` (an engine's generation, a proxy) keeps its connection
+  reading while its future waits alone in the queue, so that a client that hangs up is noticed
+  (`connection_lost`) and the future cancelled; a request pipelined behind it stops the reading.
 * **Streams.** An endpoint may answer with a `StreamAnswer` (Server-Sent Events), at once or as
   the result of such a future: only that path knows of streams. Its head goes out with
   `transfer-encoding: chunked`, then a task (`_pump`) writes each chunk its async generator
@@ -243,6 +246,7 @@ class _Waiting(NamedTuple):
     started: float
     series: RouteSeries
     trace_id: bytes | None
+    cancel_on_disconnect: bool = False
 
 
 class HttpConnection(asyncio.Protocol):
@@ -318,6 +322,10 @@ class HttpConnection(asyncio.Protocol):
             self.server.connections.discard(self)
         if self.stream is not None:
             self.stream.cancel()  # closes the generator: the producer learns the client left
+        if self.queue:
+            for entry in self.queue:
+                if type(entry) is _Waiting and entry.cancel_on_disconnect and not entry.future.done():
+                    entry.future.cancel()  # the work behind it stops; `_write_ready` records it
         if self.series is not None and not self.answered:
             # Left before its body arrived: nobody to answer, but the route saw the request.
             self._record(DISCONNECTED)
@@ -488,6 +496,7 @@ class HttpConnection(asyncio.Protocol):
         data = self._response(status, body, content_type, extra, self.keep_alive, self.http_1_0, self.method)
         if self.queue is not None:
             self.queue.append(data)
+            self.transport.pause_reading()  # behind an answer that waits (reading, if it watches)
         elif not self.transport.is_closing():
             self.send(data)
         self._record(status)
@@ -527,16 +536,23 @@ class HttpConnection(asyncio.Protocol):
         pipelining client cannot pile up requests behind it. A `StreamAnswer` given at once is
         queued as a future already done."""
         self.answered = True
+        watch = False
         if type(future) is StreamAnswer:
             ready: LaterAnswer = self.server.loop.create_future()
             ready.set_result(future)
             future = ready
+        else:
+            endpoint = self.endpoint
+            watch = endpoint is not None and endpoint.cancel_on_disconnect
         if self.queue is None:
             self.queue = deque()
             self.idle_since = None
-            self.transport.pause_reading()
+            if not watch:
+                self.transport.pause_reading()
+        else:
+            self.transport.pause_reading()  # pipelined behind an answer that waits (reading, if it watches)
         self.queue.append(_Waiting(future, self.keep_alive, self.http_1_0, self.method, self.path, self.started,
-                                   self.series, self.trace_id))
+                                   self.series, self.trace_id, watch))
         future.add_done_callback(self._write_ready)
 
     def _write_ready(self, _: object = None) -> None:
@@ -553,6 +569,11 @@ class HttpConnection(asyncio.Protocol):
             else:
                 if not entry.future.done():
                     return
+                if entry.future.cancelled():  # the client hung up (`cancel_on_disconnect`)
+                    queue.popleft()
+                    self._record_request(DISCONNECTED, entry.started, entry.series, entry.method, entry.path,
+                                         entry.trace_id)
+                    continue
                 answer: Answer | StreamAnswer = entry.future.result()
                 if type(answer) is StreamAnswer:
                     queue.popleft()

@@ -4,14 +4,19 @@ connection closed after them when asked, and the same answers through the ASGI e
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import orjson
 import pytest
+from starlette.routing import Route
 from starlette.testclient import TestClient
 from support.raw_http import Connection, get, post
 from support.server_thread import ServerThread, body, make_app
+
+from dynamo_lite import http
 
 
 @pytest.fixture
@@ -73,3 +78,46 @@ def test_the_asgi_entry_point_awaits_the_same_answers() -> None:
         assert (response.status_code, response.json()) == (200, {"echo": 7})
         response = client.post("/wait", content=body(fail="conflict"), headers={"content-type": "application/json"})
         assert (response.status_code, response.json()) == (409, {"error": "taken"})
+
+
+class _Watched(http.DirectEndpoint):
+    """Waits `seconds`, recording whether it was cancelled (`cancel_on_disconnect`)."""
+
+    max_body = 1024
+    cancel_on_disconnect = True
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def respond(self, query_string: bytes, body: bytes):
+        seconds = orjson.loads(body)["seconds"]
+
+        async def wait():
+            try:
+                await asyncio.sleep(seconds)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            return 200, b'{"waited": true}', b"application/json"
+
+        return asyncio.ensure_future(wait())
+
+
+def test_a_client_that_hangs_up_cancels_a_watched_waiting_answer() -> None:
+    watched = _Watched()
+    app = http.Service(routes=[Route("/watched", watched, methods=["POST"]), http.health_route()])
+    server = ServerThread(app)
+    try:
+        connection = Connection(server.url)
+        connection.send(post("/watched", body(seconds=0.05)))
+        assert connection.answer()[0] == 200  # answered as any waiting answer when the client waits
+        connection.send(post("/watched", body(seconds=30)))
+        time.sleep(0.1)
+        connection.close()
+        assert watched.cancelled.wait(5), "the hang-up did not cancel the waiting answer"
+        # A pipelined request behind a watched answer still gets its answer, in order.
+        other = Connection(server.url)
+        other.send(post("/watched", body(seconds=0.1)) + get("/health"))
+        assert [other.answer()[0] for _ in range(2)] == [200, 200]
+    finally:
+        server.stop()
