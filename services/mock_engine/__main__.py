@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from dynamo_lite.cli import configure_logging, non_negative_float, parse_args, positive_float, serve, service_parser
 from dynamo_lite.kv_publishers import WireFormat
@@ -13,6 +14,14 @@ from dynamo_lite.tokenizer import Tokenizer, TokenizerError
 
 from .app import create_app
 from .engine import EngineConfig, KvEventsConfig, KvEventsConfigError
+from .kv_transfer import (
+    DEFAULT_BANDWIDTH_GBPS,
+    DEFAULT_HOLD_SECS,
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    KvTransferConfig,
+    KvTransferConfigError,
+    TransferModel,
+)
 
 DEFAULT_PORT = 8000
 # On by default, where vLLM's own default endpoint is (and the replay socket next to it), so
@@ -82,7 +91,32 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--prefix-caching-hash-seed", default=None,
                         help="seed of vLLM's NONE_HASH (vLLM takes PYTHONHASHSEED); default: PYTHONHASHSEED, "
                         "else random per process, as vLLM")
+    transfer = parser.add_argument_group(
+        "prefill/decode disaggregation (vLLM's NixlConnector; see docs/disaggregation.md)")
+    transfer.add_argument("--kv-transfer-config", default=None,
+                          help="vLLM's JSON, e.g. '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}' "
+                          "(fields kv_connector, kv_role, engine_id read; vLLM's others accepted): requests' "
+                          "kv_transfer_params then make this a prefill or a decode engine; default: no connector "
+                          "(kv_transfer_params ignored)")
+    transfer.add_argument("--kv-transfer-bandwidth-gbps", type=positive_float, default=DEFAULT_BANDWIDTH_GBPS,
+                          help="gigabits per second a decode engine reads a prefill engine's blocks at; default: 200, "
+                          "one 400 Gb/s RDMA NIC per GPU at half its line rate (fit it to your measurements)")
+    transfer.add_argument("--kv-bytes-per-token", type=_positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN,
+                          help="KV bytes of one token (x --block-size: one block's transfer); default: 131072, Llama 3.1 "
+                          "8B in BF16 (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes)")
+    transfer.add_argument("--kv-transfer-hold-secs", type=positive_float, default=DEFAULT_HOLD_SECS,
+                          help="how long a prefill engine holds a finished prefill's blocks for the decode engine to "
+                          "read before freeing them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
     return parser
+
+
+def side_channel_host(bind_host: str) -> str:
+    """The host a prefill answer names as `remote_host`: VLLM_NIXL_SIDE_CHANNEL_HOST (as vLLM),
+    else the bound address, else (bound to every address) vLLM's default, localhost."""
+    host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST")
+    if host:
+        return host
+    return "localhost" if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,9 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv)
     configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("dynamo_lite.mock_engine")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per read of remote blocks otherwise
     try:
         kv_events = KvEventsConfig.parse(args.kv_events_config)
     except KvEventsConfigError as exc:
+        parser.error(str(exc))
+    try:
+        kv_transfer = None if args.kv_transfer_config is None else KvTransferConfig.parse(args.kv_transfer_config)
+    except KvTransferConfigError as exc:
         parser.error(str(exc))
     try:
         tokenizer = Tokenizer.load(args.tokenizer)
@@ -106,7 +145,10 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, data_parallel_size=args.data_parallel_size, timing=timing,
         kv_events=kv_events, kv_events_format=WireFormat.VLLM if args.kv_events_format == "vllm" else WireFormat.SGLANG,
-        seed=args.seed, hash_seed=args.prefix_caching_hash_seed,
+        seed=args.seed, hash_seed=args.prefix_caching_hash_seed, kv_transfer=kv_transfer,
+        transfer=TransferModel(args.kv_bytes_per_token, args.kv_transfer_bandwidth_gbps,
+                               args.kv_transfer_hold_secs).scaled(args.speedup_ratio),
+        side_channel_host=side_channel_host(args.host), side_channel_port=args.port,
     )
     try:
         app = create_app(config, tokenizer, default_max_tokens=args.default_max_tokens, lora_names=lora_names)
@@ -120,6 +162,10 @@ def main(argv: list[str] | None = None) -> None:
                                                             if kv_events.replay_endpoint else "")
         if kv_events.publishes else "off",
     )
+    if kv_transfer is not None:
+        log.info("KV connector %s, role %s, engine id %s: side channel http://%s:%d%s", kv_transfer.kv_connector,
+                 kv_transfer.kv_role, kv_transfer.engine_id, config.side_channel_host, config.side_channel_port,
+                 "/kv_transfer/read")
     serve(app, args)
 
 

@@ -2,8 +2,12 @@
 
 Each route decodes its body, asks `openai_api` for the request (or vLLM's error), runs it on a
 rank of the engine and shapes vLLM's answer: JSON, or Server-Sent Events (`data: {...}` lines
-and `data: [DONE]`) when `stream` is true. A client that hangs up mid-stream aborts its request,
-which frees its blocks, as vLLM does.
+and `data: [DONE]`) when `stream` is true. A client that hangs up aborts its request, streamed
+or not, which frees its blocks, as vLLM does.
+
+With `--kv-transfer-config`, requests' `kv_transfer_params` make it a prefill or a decode engine
+of a disaggregated pair (`kv_transfer`): a decode request first reads its prompt's blocks from
+the prefill engine's `POST /kv_transfer/read` (this app serves that route too).
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ import contextlib
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import orjson
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,6 +34,15 @@ from dynamo_lite.http import Answer, Headers, HeadersEndpoint, StreamAnswer, fin
 from dynamo_lite.tokenizer import Tokenizer, TokenizerError
 
 from .engine import EngineConfig, MockEngine, Rank, RequestStream
+from .kv_transfer import (
+    READ_PATH,
+    ReadFailed,
+    RemoteBlocks,
+    prefill_answer_params,
+    read_remote_blocks,
+    remote_blocks,
+    wants_remote_decode,
+)
 from .openai_api import (
     ApiError,
     GenerationRequest,
@@ -54,6 +69,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 # vLLM's buckets for vllm:inter_token_latency_seconds.
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
+# Buckets of the NIXL transfer histograms (vllm:nixl_xfer_time_seconds, vllm:nixl_bytes_transferred).
+XFER_TIME_BUCKETS = (0.001, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+XFER_BYTES_BUCKETS = tuple(float(2 ** (20 + i)) for i in range(15))  # 1 MiB .. 16 GiB
 _FILLER_WORD = re.compile(r" [a-z]{2,10}")
 
 
@@ -88,12 +106,15 @@ class EngineState:
     tokenizer: Tokenizer
     served: ServedModel
     texts: list[str]  # token id -> its text (filler ids only are generated)
+    http: httpx.AsyncClient | None = None  # reads remote blocks (with --kv-transfer-config)
+    xfer_observer: Any = None  # called with (rank, seconds, bytes) for each read
 
 
 class GenerateEndpoint(HeadersEndpoint):
     """`POST /v1/completions` and `POST /v1/chat/completions`."""
 
     max_body = MAX_BODY
+    cancel_on_disconnect = True  # a client that hangs up before a whole answer aborts it, as vLLM does
 
     def __init__(self, state: EngineState, kind: str) -> None:
         self.state = state
@@ -111,9 +132,78 @@ class GenerateEndpoint(HeadersEndpoint):
         engine_request = EngineRequest(request_id, request.prompt_token_ids, request.max_tokens,
                                        asyncio.get_running_loop().time(), request.lora_name, request.cache_salt)
         rank = state.engine.choose_rank(dp_rank)
+        remote = self._kv_transfer(rank, request, engine_request)
         if request.stream:
-            return StreamAnswer(200, _SSE, self._stream(rank, request, engine_request))
-        return asyncio.ensure_future(self._whole(rank, request, engine_request))
+            return StreamAnswer(200, _SSE, self._stream(rank, request, engine_request, remote))
+        return asyncio.ensure_future(self._whole(rank, request, engine_request, remote))
+
+    def _kv_transfer(self, rank: Rank, request: GenerationRequest, engine_request: EngineRequest) -> RemoteBlocks | None:
+        """What the request's `kv_transfer_params` ask (with a KV connector; vLLM ignores them
+        without one): a prefill for a remote decode engine (`transfer_id` set: its blocks will
+        be held), or the remote blocks a decode request reads first."""
+        config = self.state.engine.config
+        params = request.kv_transfer_params
+        if config.kv_transfer is None or not params:
+            return None
+        if wants_remote_decode(params):
+            engine_request.transfer_id = f"{engine_request.request_id}-{uuid.uuid4().hex[:8]}"
+            return None
+        remote = remote_blocks(params)
+        if isinstance(remote, str):
+            logger.warning("Got invalid KVTransferParams (%s) for %s: it is prefilled locally", remote,
+                           engine_request.request_id)
+            rank.transfers.remote_prefill_fallbacks += 1
+            return None
+        return remote
+
+    async def _start(self, rank: Rank, engine_request: EngineRequest, remote: RemoteBlocks | None) -> RequestStream:
+        """Run the request on `rank`, its prompt's blocks read from the prefill engine first
+        when it names one (and prefilled locally when they cannot be)."""
+        if remote is not None and not await self._read_remote(rank, engine_request, remote):
+            rank.transfers.remote_prefill_fallbacks += 1
+        return rank.submit(engine_request)
+
+    async def _read_remote(self, rank: Rank, engine_request: EngineRequest, remote: RemoteBlocks) -> bool:
+        state = self.state
+        config = state.engine.config
+        assert config.kv_transfer is not None and state.http is not None
+        prompt = engine_request.prompt_token_ids
+        try:
+            tokens = await read_remote_blocks(state.http, remote, config.kv_transfer.engine_id)
+            # vLLM recomputes the last prompt token locally (its logits give the first token).
+            load = min(len(prompt) - 1, len(tokens))
+            if tokens[:load] != prompt[:load]:
+                raise ReadFailed(f"{remote.url}: the blocks of {remote.request_id} hold another prompt")
+        except ReadFailed as exc:
+            rank.transfers.failed_transfers += 1
+            logger.warning("cannot read the prompt's blocks of %s from the prefill engine (%s): it is prefilled "
+                           "locally", engine_request.request_id, exc)
+            return False
+        cache = rank.cache
+        block_size = cache.block_size
+        hashes = cache.prompt_hashes(prompt, engine_request.lora_name, engine_request.cache_salt)
+        local = cache.cached_prefix_blocks(hashes, len(prompt))
+        # NIXL moves every prompt block the decode engine does not cache, the partial last one too.
+        blocks = max(0, min(len(remote.block_ids), -(-len(prompt) // block_size)) - local)
+        seconds = config.transfer.seconds(blocks, block_size)
+        started = time.monotonic()
+        await asyncio.sleep(seconds)
+        if not rank.load_remote(engine_request, load):
+            return False
+        rank.transfers.remote_prefill_requests += 1
+        rank.transfers.blocks_read += blocks
+        if state.xfer_observer is not None:
+            state.xfer_observer(rank.dp_rank, time.monotonic() - started, blocks * config.transfer.bytes_per_block(block_size))
+        return True
+
+    def _answer_params(self, engine_request: EngineRequest) -> dict[str, Any] | None:
+        """A finished prefill's `kv_transfer_params` for the decode engine (None for others)."""
+        config = self.state.engine.config
+        if (config.kv_transfer is None or engine_request.transfer_id is None
+                or engine_request.held_block_ids is None):
+            return None
+        return prefill_answer_params(engine_request.held_block_ids, config.kv_transfer.engine_id,
+                                     engine_request.transfer_id, config.side_channel_host, config.side_channel_port)
 
     def _dp_rank(self, headers: Headers) -> int | None:
         """vLLM's `X-data-parallel-rank` header: the rank an external balancer chose."""
@@ -129,8 +219,9 @@ class GenerateEndpoint(HeadersEndpoint):
             raise ApiError(400, f"X-data-parallel-rank must be an integer in [0, {size}), not {value.decode('latin-1')!r}")
         return rank
 
-    async def _whole(self, rank: Rank, request: GenerationRequest, engine_request: EngineRequest) -> Answer:
-        stream = rank.submit(engine_request)
+    async def _whole(self, rank: Rank, request: GenerationRequest, engine_request: EngineRequest,
+                     remote: RemoteBlocks | None) -> Answer:
+        stream = await self._start(rank, engine_request, remote)
         tokens: list[int] = []
         finished = None
         async for output in stream.outputs():
@@ -141,13 +232,15 @@ class GenerateEndpoint(HeadersEndpoint):
             return _error(ApiError(503, "the request could not be scheduled: the KV cache cannot hold it"))
         texts = self.state.texts
         answer = full_answer(request, engine_request.request_id, "".join(texts[token] for token in tokens),
-                             finished or "length", len(tokens), max(engine_request.cached_tokens, 0))
+                             finished or "length", len(tokens), max(engine_request.cached_tokens, 0),
+                             kv_transfer_params=self._answer_params(engine_request))
         return 200, orjson.dumps(answer), _JSON
 
-    async def _stream(self, rank: Rank, request: GenerationRequest, engine_request: EngineRequest) -> AsyncIterator[bytes]:
+    async def _stream(self, rank: Rank, request: GenerationRequest, engine_request: EngineRequest,
+                      remote: RemoteBlocks | None) -> AsyncIterator[bytes]:
         stream: RequestStream | None = None
         try:
-            stream = rank.submit(engine_request)
+            stream = await self._start(rank, engine_request, remote)
             created = int(time.time())
             request_id = engine_request.request_id
             texts = self.state.texts
@@ -245,6 +338,37 @@ class ResetPrefixCacheEndpoint(http.DirectEndpoint):
         return _error(ApiError(400, "the prefix cache cannot be reset while requests are running"))
 
 
+class ReadBlocksEndpoint(http.DirectEndpoint):
+    """`POST /kv_transfer/read` (a stand-in route, its NIXL side channel): a decode engine reads
+    the blocks this engine holds for one of its prefills (`remote_engine_id`,
+    `remote_request_id` as the prefill's answer named them). 200 `{"token_ids", "block_size"}`
+    and the blocks are freed; 404 when this engine holds none under that id (read already,
+    expired, another engine's, or no KV connector)."""
+
+    max_body = 1024 * 1024
+
+    def __init__(self, engine: MockEngine) -> None:
+        self.engine = engine
+
+    def respond(self, query_string: bytes, body: bytes) -> Answer:
+        try:
+            data = _decode_body(body)
+            if not isinstance(data, dict) or not isinstance(data.get("remote_request_id"), str):
+                raise ApiError(400, "the body must be an object with remote_request_id (a string)")
+        except ApiError as exc:
+            return _error(exc)
+        kv_transfer = self.engine.config.kv_transfer
+        transfer_id = data["remote_request_id"]
+        if kv_transfer is not None and data.get("remote_engine_id") in (None, kv_transfer.engine_id):
+            for rank in self.engine.ranks:
+                tokens = rank.read_held(transfer_id)
+                if tokens is not None:
+                    answer = {"token_ids": tokens, "block_size": rank.cache.block_size}
+                    return 200, orjson.dumps(answer), _JSON
+        return _error(ApiError(404, f"no blocks held for {transfer_id!r}: read already, expired, or not prefilled "
+                                    "by this engine"))
+
+
 class VllmCollector(Collector):
     """vLLM's engine metrics, per rank (label `engine`, as vLLM labels data-parallel ranks)."""
 
@@ -285,6 +409,52 @@ class VllmCollector(Collector):
             families["hits"].add_metric(values, cache.hits)
             families["preemptions"].add_metric(values, scheduler.preemptions)
         yield from families.values()
+        if self.engine.config.kv_transfer is not None:
+            yield from self._transfers(labels)
+
+    def _transfers(self, labels: list[str]) -> Iterator[Metric]:
+        """The disaggregation counters, with a KV connector only."""
+        counters = {
+            "remote_decode_requests": CounterMetricFamily(
+                "dynamo_lite_mock_engine_remote_decode_requests",
+                "Prefill requests (kv_transfer_params.do_remote_decode) finished with their blocks held for a decode engine.",
+                labels=labels),
+            "remote_prefill_requests": CounterMetricFamily(
+                "dynamo_lite_mock_engine_remote_prefill_requests",
+                "Decode requests (kv_transfer_params.do_remote_prefill) that read their prompt's blocks from a prefill engine.",
+                labels=labels),
+            "remote_prefill_fallbacks": CounterMetricFamily(
+                "dynamo_lite_mock_engine_remote_prefill_fallbacks",
+                "Decode requests that asked for a remote prefill but were prefilled locally (invalid parameters, "
+                "failed read, no room).", labels=labels),
+            "blocks_read": CounterMetricFamily(
+                "dynamo_lite_mock_engine_kv_blocks_read", "KV blocks read from prefill engines.", labels=labels),
+            "blocks_sent": CounterMetricFamily(
+                "dynamo_lite_mock_engine_kv_blocks_sent", "Held KV blocks decode engines read from this engine.",
+                labels=labels),
+            "failed_transfers": CounterMetricFamily(
+                "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.", labels=labels),
+            "expired": CounterMetricFamily(
+                "vllm:nixl_num_kv_expired_reqs", "Number of requests whose held KV blocks expired unread.",
+                labels=labels),
+        }
+        by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+                                        labels=[*labels, "source"])
+        held = GaugeMetricFamily("dynamo_lite_mock_engine_held_requests",
+                                 "Finished prefills whose blocks are held for a decode engine to read.", labels=labels)
+        for rank in self.engine.ranks:
+            values = [self.model, str(rank.dp_rank)]
+            counts = rank.transfers
+            for name, family in counters.items():
+                family.add_metric(values, getattr(counts, name))
+            cache = rank.cache
+            by_source.add_metric([*values, "local_cache_hit"], cache.hits)
+            by_source.add_metric([*values, "external_kv_transfer"], counts.external_tokens)
+            by_source.add_metric([*values, "local_compute"], max(0, cache.queries - cache.hits - counts.external_tokens))
+            held.add_metric(values, len(rank.scheduler.held))
+        yield from counters.values()
+        yield by_source
+        yield held
 
 
 def create_app(config: EngineConfig, tokenizer: Tokenizer, *, default_max_tokens: int = 128,
@@ -304,10 +474,15 @@ def create_app(config: EngineConfig, tokenizer: Tokenizer, *, default_max_tokens
     @contextlib.asynccontextmanager
     async def lifespan(app: http.Service) -> AsyncIterator[None]:
         engine.start()
+        if config.kv_transfer is not None:
+            state.http = httpx.AsyncClient(trust_env=False)
         try:
             yield
         finally:
             await engine.stop()
+            if state.http is not None:
+                await state.http.aclose()
+                state.http = None
 
     app = http.Service(
         routes=[
@@ -319,6 +494,7 @@ def create_app(config: EngineConfig, tokenizer: Tokenizer, *, default_max_tokens
             Route("/v1/chat/completions/render", RenderEndpoint(state, "chat"), methods=["POST"]),
             Route("/tokenize", TokenizeEndpoint(state), methods=["POST"]),
             Route("/reset_prefix_cache", ResetPrefixCacheEndpoint(engine), methods=["POST"]),
+            Route(READ_PATH, ReadBlocksEndpoint(engine), methods=["POST"]),
         ],
         lifespan=lifespan,
         collectors=[collector],
@@ -330,6 +506,17 @@ def create_app(config: EngineConfig, tokenizer: Tokenizer, *, default_max_tokens
     for rank in engine.ranks:
         rank.ttft_observer = lambda dp_rank, seconds: ttft.labels(config.model, str(dp_rank)).observe(seconds)
         rank.itl_observer = lambda dp_rank, seconds: itl.labels(config.model, str(dp_rank)).observe(seconds)
+    if config.kv_transfer is not None:
+        xfer_time = Histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
+                              ["model_name", "engine"], buckets=XFER_TIME_BUCKETS, registry=app.metrics_registry)
+        xfer_bytes = Histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                               ["model_name", "engine"], buckets=XFER_BYTES_BUCKETS, registry=app.metrics_registry)
+
+        def observe_transfer(dp_rank: int, seconds: float, size: int) -> None:
+            xfer_time.labels(config.model, str(dp_rank)).observe(seconds)
+            xfer_bytes.labels(config.model, str(dp_rank)).observe(size)
+
+        state.xfer_observer = observe_transfer
     app.state.engine = engine
     return app
 

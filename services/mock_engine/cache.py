@@ -218,6 +218,17 @@ class PrefixCache:
         self._take(seq, total_blocks - hit_blocks)
         return seq
 
+    def load(self, request_id: str, token_ids: list[int], tokens: int, *, lora_name: str | None = None,
+             cache_salt: str | None = None) -> Sequence_ | None:
+        """Admit a request whose first `tokens` prompt tokens' KV arrived from another engine
+        (a remote prefill): its cached prefix is reused as by `admit`, the rest up to `tokens`
+        is computed now (its full blocks cached and published). None when the pool cannot hold
+        the prompt now."""
+        seq = self.admit(request_id, token_ids, lora_name=lora_name, cache_salt=cache_salt)
+        if seq is not None and tokens > seq.computed:
+            self.compute(seq, min(tokens, len(token_ids)) - seq.computed)
+        return seq
+
     def compute(self, seq: Sequence_, tokens: int) -> None:
         """`tokens` more of `seq`'s tokens have their KV computed (a prefill chunk, or the token
         a decode step appended): the blocks they fill are cached and published."""

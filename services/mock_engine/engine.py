@@ -23,6 +23,7 @@ from dynamo_lite.kv_publishers import BlockHash, EnginePublisher, Event, Removed
 from dynamo_lite.timing import TimingModel
 
 from .cache import PrefixCache
+from .kv_transfer import KvTransferConfig, TransferModel
 from .scheduler import EngineRequest, Output, Scheduler
 
 logger = logging.getLogger("dynamo_lite.mock_engine")
@@ -128,6 +129,27 @@ class EngineConfig:
     kv_events_format: WireFormat = WireFormat.VLLM
     seed: int = 0
     hash_seed: str | None = None
+    # `--kv-transfer-config` (None: no connector; `kv_transfer_params` are ignored, as vLLM does
+    # without one), the transfer's timing, and the address a prefill answer names as its side
+    # channel (`remote_host`, `remote_port`: the stand-in's own HTTP address).
+    kv_transfer: KvTransferConfig | None = None
+    transfer: TransferModel = field(default_factory=TransferModel)
+    side_channel_host: str = "localhost"
+    side_channel_port: int = 8000
+
+
+@dataclass(slots=True)
+class TransferCounts:
+    """One rank's disaggregation counters (`/metrics`)."""
+
+    remote_decode_requests: int = 0  # prefills finished for a remote decode engine (blocks held)
+    remote_prefill_requests: int = 0  # decode requests that read their prompt's blocks
+    remote_prefill_fallbacks: int = 0  # decode requests that asked for it but prefilled locally
+    blocks_read: int = 0  # blocks this rank read from prefill engines
+    blocks_sent: int = 0  # held blocks a decode engine read from this rank
+    external_tokens: int = 0  # prompt tokens whose KV was read, not computed
+    failed_transfers: int = 0  # reads that failed (vllm:nixl_num_failed_transfers)
+    expired: int = 0  # held blocks nobody read in time (vllm:nixl_num_kv_expired_reqs)
 
 
 class RequestStream:
@@ -169,6 +191,7 @@ class Rank:
         self.ttft_observer: Any = None  # set by the app: called with (rank, seconds)
         self.itl_observer: Any = None  # set by the app: called with (rank, seconds) for each later token
         self.steps = 0
+        self.transfers = TransferCounts()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         events = config.kv_events
@@ -210,6 +233,34 @@ class Rank:
         self.streams.pop(id(stream.request), None)
         self._publish()
 
+    def load_remote(self, request: EngineRequest, tokens: int) -> bool:
+        """Queue a decode request whose first `tokens` prompt tokens' KV was read from a prefill
+        engine: admitted now with them computed, their blocks cached and published. False (and
+        nothing queued) when the pool cannot hold the prompt now."""
+        seq = self.cache.load(request.request_id, list(request.prompt_token_ids), tokens,
+                              lora_name=request.lora_name, cache_salt=request.cache_salt)
+        if seq is None:
+            return False
+        self.transfers.external_tokens += seq.computed - seq.cached_tokens
+        request.seq = seq
+        request.cached_tokens = seq.cached_tokens
+        self._publish()
+        return True
+
+    def read_held(self, transfer_id: str) -> list[int] | None:
+        """A decode engine reads the blocks held for `transfer_id`: they are freed (they stay
+        cached) and the token ids they held returned; None when none are held."""
+        seq = self.scheduler.release_held(transfer_id)
+        if seq is None:
+            return None
+        self.transfers.blocks_sent += -(-seq.computed // self.cache.block_size)
+        return seq.token_ids[:seq.computed]
+
+    def _expire(self, transfer_id: str) -> None:
+        if self.scheduler.release_held(transfer_id) is not None:
+            self.transfers.expired += 1
+            logger.warning("blocks held for remote decode %s were not read in time; freed", transfer_id)
+
     def reset_prefix_cache(self) -> bool:
         cleared = self.cache.clear()
         self._publish()
@@ -250,6 +301,9 @@ class Rank:
                     request.last_token_at = now
                 if output.finished is not None:
                     del self.streams[id(request)]
+                    if request.transfer_id is not None and request.transfer_id in scheduler.held:
+                        self.transfers.remote_decode_requests += 1
+                        loop.call_later(self.config.transfer.hold_secs, self._expire, request.transfer_id)
                 stream.deliver(output)
 
     def _publish(self) -> None:
@@ -304,5 +358,6 @@ __all__ = [
     "MockEngine",
     "Rank",
     "RequestStream",
+    "TransferCounts",
     "offset_endpoint_port",
 ]

@@ -58,6 +58,8 @@ class GenerationRequest:
     include_usage: bool
     lora_name: str | None
     cache_salt: str | None
+    # vLLM's KV connector parameters (prefill/decode disaggregation), passed on as sent.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -161,6 +163,13 @@ def chat_prompt_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         raise ApiError(400, str(exc), "messages") from None
 
 
+def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
+    params = body.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise ApiError(400, "kv_transfer_params must be an object", "kv_transfer_params")
+    return params
+
+
 def parse_generation(kind: str, body: Any, served: ServedModel, tokenizer: Tokenizer) -> GenerationRequest:
     """A `/v1/completions` (kind "completion") or `/v1/chat/completions` ("chat") body."""
     body = _object(body)
@@ -186,7 +195,8 @@ def parse_generation(kind: str, body: Any, served: ServedModel, tokenizer: Token
         raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
                             f"context length is {served.max_model_len} tokens and your request has {len(prompt)} input "
                             f"tokens ({max_tokens} > {served.max_model_len} - {len(prompt)}).", "max_tokens")
-    return GenerationRequest(kind, model, prompt, max_tokens, stream, include_usage, lora_name, cache_salt)
+    return GenerationRequest(kind, model, prompt, max_tokens, stream, include_usage, lora_name, cache_salt,
+                             _kv_transfer_params(body))
 
 
 # --- answers ---------------------------------------------------------------------------------
@@ -210,7 +220,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def full_answer(request: GenerationRequest, request_id: str, text: str, finish_reason: str,
-                completion_tokens: int, cached_tokens: int, created: int | None = None) -> dict[str, Any]:
+                completion_tokens: int, cached_tokens: int, created: int | None = None,
+                kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
     created = int(time.time()) if created is None else created
     if request.kind == "completion":
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
@@ -224,7 +235,7 @@ def full_answer(request: GenerationRequest, request_id: str, text: str, finish_r
     return {
         "id": request_id, "object": obj, "created": created, "model": request.model, "choices": [choice],
         "usage": usage(len(request.prompt_token_ids), completion_tokens, cached_tokens),
-        "prompt_logprobs": None, "kv_transfer_params": None,
+        "prompt_logprobs": None, "kv_transfer_params": kv_transfer_params,
     }
 
 

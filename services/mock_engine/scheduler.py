@@ -15,7 +15,12 @@ One step, as vLLM V1 schedules it (chunked prefill on, first come first served):
 3. at the end of the step a request whose prompt is complete samples its first token (the time
    to first token ends here); a decoding request computes the KV of its last token (a block that
    fills is cached and published) and samples the next one; a request with `max_tokens` tokens
-   is finished and its blocks are freed.
+   is finished and its blocks are freed (a prefill for a remote decode engine's are held until
+   that engine reads them: `held`).
+
+A request may wait with its sequence already admitted (`EngineRequest.seq` set): a decode
+request whose prompt blocks were read from a prefill engine (`PrefixCache.load`) is admitted
+without a cache lookup and computes only what is left of its prompt.
 
 When a decoding request needs a block and none is free, the most recently admitted running
 request is preempted as vLLM does (its blocks freed, back to the front of the queue, its prompt
@@ -53,6 +58,10 @@ class EngineRequest:
     last_token_at: float | None = None  # the engine shell's clock, for the inter-token latency
     finished: str | None = None
     preemptions: int = 0
+    # A prefill for a remote decode engine (`kv_transfer_params.do_remote_decode`): at the end its
+    # blocks are held under this id for the decode engine to read, not freed.
+    transfer_id: str | None = None
+    held_block_ids: list[int] | None = None  # the blocks it held when it finished (its answer names them)
 
     @property
     def prefilled(self) -> bool:
@@ -100,6 +109,8 @@ class Scheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.preemptions = 0
+        # Finished prefills' blocks held for a remote decode engine, by transfer id.
+        self.held: dict[str, Sequence_] = {}
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -155,8 +166,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             tokens = request.prompt_token_ids + request.output_token_ids
-            seq = self.cache.admit(request.request_id, tokens, lora_name=request.lora_name,
-                                   cache_salt=request.cache_salt)
+            seq = request.seq  # admitted already: its prompt's blocks were read from a prefill engine
+            if seq is None:
+                seq = self.cache.admit(request.request_id, tokens, lora_name=request.lora_name,
+                                       cache_salt=request.cache_salt)
             if seq is None:
                 if not self.running:
                     # Not even an empty pool holds it (the API refuses such prompts): it can
@@ -206,8 +219,22 @@ class Scheduler:
         if len(request.output_token_ids) >= request.max_tokens:
             request.finished = FINISHED_LENGTH
             self.running.remove(request)
-            self._release(request)
+            seq = request.seq
+            if request.transfer_id is not None and seq is not None and seq.blocks:
+                # vLLM's NixlConnector delays freeing a remote decode's blocks until it read them.
+                request.held_block_ids = [block.block_id for block in seq.blocks]
+                self.held[request.transfer_id] = seq
+                request.seq = None
+            else:
+                self._release(request)
         return Output(request, token, request.finished)
+
+    def release_held(self, transfer_id: str) -> Sequence_ | None:
+        """Free the blocks held for `transfer_id` (read, or expired); None when none are."""
+        seq = self.held.pop(transfer_id, None)
+        if seq is not None:
+            self.cache.release(seq)
+        return seq
 
     def _append_last_token(self, request: EngineRequest) -> bool:
         """Compute the KV of the request's last sampled token, preempting the newest running
