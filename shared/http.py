@@ -244,7 +244,7 @@ class StreamAnswer:
     """
 
     status: int
-    content_type: bytes
+    content_type: bytes | None  # None: no content-type header (a proxied answer without one)
     chunks: AsyncIterator[bytes]
     headers: bytes = b""
 
