@@ -1,5 +1,5 @@
-"""Write docs/configuration.md, the flags and environment variables of the services, the endpoint picker
-and the engine stand-in, from their parsers.
+"""Write docs/configuration.md, the flags and environment variables of the services, the endpoint picker,
+the engine stand-in and the P/D sidecar, from their parsers.
 
     python docs/generate_configuration.py           # (re)write docs/configuration.md
     python docs/generate_configuration.py --check   # exit 1, with a short diff, if the file is stale
@@ -37,6 +37,7 @@ PROGRAMS = (
     Program("Selection service", "dynamo_lite.select_service", "dynamo-lite-select-service"),
     Program("Endpoint picker", "dynamo_lite.epp", "dynamo-lite-epp"),
     Program("Engine stand-in", "dynamo_lite.mock_engine", "dynamo-lite-mock-engine"),
+    Program("P/D sidecar", "dynamo_lite.pd_sidecar", "dynamo-lite-pd-sidecar"),
 )
 
 

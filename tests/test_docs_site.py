@@ -50,7 +50,8 @@ def test_every_flag_of_a_service_is_in_the_configuration_page(program: generate_
     parser = generate_configuration.service_parser(program.module)
     flags = [flag for action in parser._actions for flag in action.option_strings
              if flag.startswith("--") and not isinstance(action, argparse._HelpAction)]
-    assert len(flags) >= 20
+    # The whole parser was caught: the shared service flags (10) and the program's own.
+    assert len(flags) >= 12
     for flag in flags:
         assert flag in help_text and f"`{flag}`" in section, flag
     variables = {env_name(action) for action in parser._actions
