@@ -173,8 +173,9 @@ def test_a_slow_prefill_times_out_and_a_client_gone_cancels_the_prefill() -> Non
         answer = completion(hasty, prompt, header)
         assert answer.status_code == 200 and time.monotonic() - started < 3
         assert metric(hasty, "dynamo_lite_pd_sidecar_prefill_fallbacks_total", reason="timeout") == 1
-        # The prefill given up was cancelled on the prefill engine too.
-        wait_for(lambda: metric(prefill, "vllm:num_requests_running") == 0, "the prefill engine aborts the prefill")
+        # The prefill given up was cancelled on the prefill engine too (it would run 4 s).
+        wait_for(lambda: metric(prefill, "vllm:num_requests_running") == 0, "the prefill engine aborts the prefill",
+                 timeout=1.5)
         assert metric(prefill, "dynamo_lite_mock_engine_held_requests") == 0
 
         # A client that leaves during the prefill: the prefill is cancelled, the decode never sent.
@@ -183,7 +184,8 @@ def test_a_slow_prefill_times_out_and_a_client_gone_cancels_the_prefill() -> Non
             httpx.post(patient + "/v1/completions", headers=header, timeout=0.5,
                        json={"model": "mock", "prompt": [token + 1 for token in prompt], "max_tokens": 4})
         wait_for(lambda: metric(patient, "dynamo_lite_pd_sidecar_cancelled_total") == 1, "the sidecar cancels")
-        wait_for(lambda: metric(prefill, "vllm:num_requests_running") == 0, "the prefill engine aborts the prefill")
+        wait_for(lambda: metric(prefill, "vllm:num_requests_running") == 0, "the prefill engine aborts the prefill",
+                 timeout=1.5)
         assert metric(decode, "vllm:prefix_cache_queries_total") == queries
 
 
