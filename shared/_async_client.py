@@ -105,18 +105,24 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
         new_isl_tokens: int = 0,
         *,
         tenant_id: str = DEFAULT_TENANT,
+        expected_output_tokens: int | None = None,
     ) -> None:
         """Book a request on a rank: its prompt's chained `sequence_hashes` and the
-        `new_isl_tokens` still to prefill count in that rank's load until `free()`.
+        `new_isl_tokens` still to prefill count in that rank's load until `free()`. With
+        `expected_output_tokens` (the answer's expected length, `nvext.agent_hints.osl`) its
+        output blocks weigh less as the answer nears that length.
 
         404 if the model or the rank is unknown (the worker left: route again), 409 if the
         request id is already active.
         """
-        await self._transport.call("POST", "/add", {
+        body: dict[str, Any] = {
             "model_name": model_name, "tenant_id": tenant_id, "request_id": request_id,
             "worker_id": worker_id, "dp_rank": dp_rank, "sequence_hashes": list(sequence_hashes),
             "new_isl_tokens": new_isl_tokens,
-        })
+        }
+        if expected_output_tokens is not None:
+            body["expected_output_tokens"] = expected_output_tokens
+        await self._transport.call("POST", "/add", body)
 
     async def prefill_complete(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
         """The request produced its first token: its prompt tokens stop counting as prefill load."""

@@ -311,10 +311,14 @@ class KvRouter:
         router_temperature: float | None = None,
         session_id: str | None = None,
         allowed_worker_ids: Sequence[int] | None = None,
+        expected_output_tokens: int | None = None,
     ) -> Decision:
         """Query both services concurrently and pick a rank. Overrides apply to this call only
         (`overlap_score_weight` to Dynamo's cost only: ValueError with another); `session_id`
-        keeps a conversation where its cache is; `allowed_worker_ids` limits the candidates.
+        keeps a conversation where its cache is; `allowed_worker_ids` limits the candidates;
+        `expected_output_tokens` (the answer's expected length, `nvext.agent_hints.osl`) goes
+        to the cost and, at `commit`, to the slot tracker, whose count of the answer's output
+        blocks then decays toward it.
 
         Raises `NoWorkerAvailable` when no rank of the model is registered (or allowed) or all
         are busy, a `TransportError` when a service cannot be reached, and a
@@ -343,7 +347,8 @@ class KvRouter:
             raise NoWorkerAvailable(
                 f"no rank can take the request: no worker of model {model_name!r} (tenant {tenant_id!r}) {which}")
         request = SchedulingRequest(isl_tokens, self.block_size, session_id=session_id, temperature=router_temperature,
-                                    overlap_score_weight=overlap_score_weight)
+                                    overlap_score_weight=overlap_score_weight,
+                                    expected_output_tokens=expected_output_tokens)
         selection = self.scheduler.schedule(request, loads, self.rank_infos)
         chosen = selection.chosen
         return Decision(model_name, tenant_id, chosen.worker_id, chosen.dp_rank, isl_tokens,
@@ -360,7 +365,7 @@ class KvRouter:
         add = self.slot_tracker.add(
             decision.model_name, request_id, decision.worker_id, decision.dp_rank,
             decision.sequence_hashes, decision.isl_tokens - decision.chosen.cached_tokens,
-            tenant_id=decision.tenant_id,
+            tenant_id=decision.tenant_id, expected_output_tokens=decision.request.expected_output_tokens,
         )
         await asyncio.gather(add, self.record(decision))
         self.scheduler.booked(decision.selection, decision.request, self.rank_infos,

@@ -86,6 +86,9 @@ class AddRequest(RequestBody, kw_only=True):
     dp_rank: U32
     sequence_hashes: list[I64]
     new_isl_tokens: U64 = 0
+    # Not in Dynamo's /add: the output length the gateway expects (`nvext.agent_hints.osl`); the
+    # request's output blocks then weigh less as its output nears it (router guide, decay).
+    expected_output_tokens: U64 | None = None
 
 
 class RequestIdRequest(RequestBody, kw_only=True):
@@ -147,7 +150,8 @@ class SlotTrackerRoutes:
 
     def add(self, request: AddRequest) -> HandlerResult:
         self.tracker.add(request.model_name, _tenant(request), request.request_id, request.worker_id,
-                         request.dp_rank, request.sequence_hashes, request.new_isl_tokens)
+                         request.dp_rank, request.sequence_hashes, request.new_isl_tokens,
+                         request.expected_output_tokens)
         return 201, OK
 
     def prefill_complete(self, request: RequestIdRequest) -> HandlerResult:
@@ -213,7 +217,7 @@ class ReplicatedRoutes(SlotTrackerRoutes):
         tenant_id = _tenant(request)
         self.sync.check_size(_size(request.model_name, tenant_id, request.request_id), len(request.sequence_hashes))
         self.replica.add(request.model_name, tenant_id, request.request_id, request.worker_id, request.dp_rank,
-                         request.sequence_hashes, request.new_isl_tokens)
+                         request.sequence_hashes, request.new_isl_tokens, request.expected_output_tokens)
         return self.sync.confirmed(201, OK)
 
     def prefill_complete(self, request: RequestIdRequest) -> Any:

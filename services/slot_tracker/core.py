@@ -51,6 +51,7 @@ objects are the groups' where it follows them (a shared prefix). Measured in doc
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -120,7 +121,8 @@ class Group:
 
 class ActiveRequest:
     __slots__ = (
-        "request_id", "slot", "hashes", "block_count", "groups", "prefill_tokens", "output_blocks", "added_at"
+        "request_id", "slot", "hashes", "block_count", "groups", "prefill_tokens", "output_blocks", "added_at",
+        "expected_output_tokens", "output_load",
     )
 
     def __init__(
@@ -132,6 +134,7 @@ class ActiveRequest:
         groups: list[Group],
         prefill_tokens: int,
         added_at: float,
+        expected_output_tokens: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.slot = slot
@@ -142,6 +145,8 @@ class ActiveRequest:
         self.prefill_tokens = prefill_tokens  # 0 once prefill completed
         self.output_blocks = 0  # as last set by /output_blocks
         self.added_at = added_at
+        self.expected_output_tokens = expected_output_tokens  # the output length its gateway expects
+        self.output_load = 0  # what its output blocks weigh in its slot's decode blocks (`decayed_output`)
 
 
 @dataclass(slots=True)
@@ -295,7 +300,10 @@ class SlotTracker:
         dp_rank: int,
         sequence_hashes: Sequence[int],
         new_isl_tokens: int = 0,
+        expected_output_tokens: int | None = None,
     ) -> None:
+        """Book a request. With `expected_output_tokens` its output blocks weigh less as its
+        output nears that length (`decayed_output`)."""
         self.version += 1
         partition = self._partition(model_name, tenant_id)
         now = self.clock()
@@ -376,7 +384,7 @@ class SlotTracker:
         slot.prefill_tokens += new_isl_tokens
         slot.request_count += 1
         partition.requests[request_id] = ActiveRequest(
-            request_id, slot, hashes, block_count, groups, new_isl_tokens, now
+            request_id, slot, hashes, block_count, groups, new_isl_tokens, now, expected_output_tokens
         )
 
     def prefill_complete(self, model_name: str, tenant_id: str, request_id: str) -> None:
@@ -407,8 +415,11 @@ class SlotTracker:
                 f"request {request_id} already holds {request.output_blocks} output blocks; "
                 f"the count cannot shrink to {output_blocks}"
             )
-        request.slot.output_blocks += output_blocks - request.output_blocks
+        expected = request.expected_output_tokens
+        load = output_blocks if expected is None else decayed_output(output_blocks, partition.block_size, expected)
+        request.slot.output_blocks += load - request.output_load
         request.output_blocks = output_blocks
+        request.output_load = load
 
     def free(self, model_name: str, tenant_id: str, request_id: str) -> None:
         """Idempotent: an unknown request is already free."""
@@ -527,7 +538,8 @@ class SlotTracker:
                 if left > 0:
                     slot = request.slot
                     requests.append(DumpedRequest(request.request_id, slot.worker_id, slot.dp_rank, request.hashes,
-                                                  request.prefill_tokens, request.output_blocks, left))
+                                                  request.prefill_tokens, request.output_blocks, left,
+                                                  request.expected_output_tokens))
             partitions.append(DumpedPartition(partition.model_name, partition.tenant_id, workers, requests))
         return SlotTrackerDump(DUMP_VERSION, taken_at, partitions)
 
@@ -567,7 +579,7 @@ class SlotTracker:
                         report.expired += 1
                         continue
                     scratch.add(model_name, tenant_id, request.request_id, request.worker_id, request.dp_rank,
-                                request.sequence_hashes, request.new_isl_tokens)
+                                request.sequence_hashes, request.new_isl_tokens, request.expected_output_tokens)
                     scratch.partitions[key].requests[request.request_id].added_at = now - ttl + left
                     if request.output_blocks:
                         scratch.set_output_blocks(model_name, tenant_id, request.request_id, request.output_blocks)
@@ -792,8 +804,19 @@ def _release(partition: Partition, request: ActiveRequest) -> None:
             if not refs:
                 _forget(partition, group)
     slot.prefill_tokens -= request.prefill_tokens
-    slot.output_blocks -= request.output_blocks
+    slot.output_blocks -= request.output_load
     slot.request_count -= 1
+
+
+def decayed_output(output_blocks: int, block_size: int, expected_output_tokens: int) -> int:
+    """What a request's output blocks weigh when its gateway expects `expected_output_tokens` of
+    output (the router guide's decay toward `nvext.agent_hints.osl`): each block weighs 1 at
+    first, falling linearly to 0 as the output (`output_blocks * block_size` tokens) reaches the
+    expected length, rounded half away from zero. A request near its end will soon free them."""
+    if expected_output_tokens <= 0:
+        return 0
+    weight = 1.0 - output_blocks * block_size / expected_output_tokens
+    return math.floor(output_blocks * weight + 0.5) if weight > 0 else 0
 
 
 def _forget(partition: Partition, group: Group) -> None:

@@ -50,6 +50,7 @@ class Incarnation(msgspec.Struct, array_like=True, frozen=True, gc=False):
     new_isl_tokens: int
     hashes: tuple[int, ...] | None = None
     freed: bool = False  # a free named it
+    expected_output_tokens: int | None = None
 
     @property
     def tag(self) -> Tag:

@@ -52,6 +52,7 @@ class Add(msgspec.Struct, array_like=True, frozen=True, tag=3):
     sequence_hashes: list[int]
     new_isl_tokens: int
     after: tuple[Tag, ...] = ()  # tags of this request id the publishing replica knew of
+    expected_output_tokens: int | None = None  # last: a replica of an older version sends none
 
 
 class PrefillComplete(msgspec.Struct, array_like=True, frozen=True, tag=4):

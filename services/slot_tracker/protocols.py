@@ -60,7 +60,7 @@ class DumpedWorker(msgspec.Struct):
     dp_size: U32
 
 
-class DumpedRequest(msgspec.Struct):
+class DumpedRequest(msgspec.Struct, omit_defaults=True):
     """An `/add` body, with `new_isl_tokens` the prompt tokens still to prefill (0 once prefill
     completed), plus the request's output blocks and the seconds left before it expires: the
     core's clock is monotonic and per process, so a time of `/add` would mean nothing elsewhere."""
@@ -72,6 +72,7 @@ class DumpedRequest(msgspec.Struct):
     new_isl_tokens: U64
     output_blocks: U32
     remaining_ttl_secs: float
+    expected_output_tokens: U64 | None = None  # sent with its /add (output blocks decay toward it)
 
 
 class DumpedPartition(msgspec.Struct):

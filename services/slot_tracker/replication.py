@@ -182,13 +182,15 @@ class Replica:
         self._queue(Unregister(model_name, tenant_id, worker_id))
 
     def add(self, model_name: str, tenant_id: str, request_id: str, worker_id: int, dp_rank: int,
-            sequence_hashes: list[int], new_isl_tokens: int = 0) -> None:
-        self.tracker.add(model_name, tenant_id, request_id, worker_id, dp_rank, sequence_hashes, new_isl_tokens)
+            sequence_hashes: list[int], new_isl_tokens: int = 0, expected_output_tokens: int | None = None) -> None:
+        self.tracker.add(model_name, tenant_id, request_id, worker_id, dp_rank, sequence_hashes, new_isl_tokens,
+                         expected_output_tokens)
         known = self.history(model_name, tenant_id, request_id)
         after = referenced(known) if known is not None else ()
         seq = self._queue(Add(model_name, tenant_id, request_id, worker_id, dp_rank, sequence_hashes,
-                              new_isl_tokens, after))
-        incarnation = Incarnation(self.origin, seq, after, worker_id, dp_rank, new_isl_tokens)
+                              new_isl_tokens, after, expected_output_tokens))
+        incarnation = Incarnation(self.origin, seq, after, worker_id, dp_rank, new_isl_tokens,
+                                  expected_output_tokens=expected_output_tokens)
         now = self.tracker.clock()
         if known is None:
             history = History(now, incarnation, placed=incarnation.tag)
@@ -332,7 +334,7 @@ class Replica:
             self.counts.duplicates += 1
             return
         incarnation = Incarnation(origin, seq, op.after, op.worker_id, op.dp_rank, op.new_isl_tokens,
-                                  tuple(op.sequence_hashes))
+                                  tuple(op.sequence_hashes), expected_output_tokens=op.expected_output_tokens)
         if any(concurrent(other, incarnation) and not dead(other, known) for other in previous):
             self.counts.conflicts += 1
         history = with_incarnation(known, incarnation)
@@ -380,7 +382,7 @@ class Replica:
             if best.hashes is not None and request is None:
                 try:
                     tracker.add(model_name, tenant_id, request_id, best.worker_id, best.dp_rank, best.hashes,
-                                best.new_isl_tokens)
+                                best.new_isl_tokens, best.expected_output_tokens)
                 except ServiceError:
                     self.counts.unplaced += 1
                 else:
@@ -407,7 +409,8 @@ class Replica:
             if self.history(model_name, tenant_id, request.request_id) is not None:
                 continue
             slot = request.slot
-            incarnation = Incarnation(self.origin, 0, (), slot.worker_id, slot.dp_rank, request.prefill_tokens)
+            incarnation = Incarnation(self.origin, 0, (), slot.worker_id, slot.dp_rank, request.prefill_tokens,
+                                      expected_output_tokens=request.expected_output_tokens)
             self._store(model_name, tenant_id, request.request_id, History(now, incarnation, placed=incarnation.tag))
             adopted += 1
         return adopted
