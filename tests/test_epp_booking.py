@@ -216,3 +216,26 @@ def test_an_unseen_answer_whose_end_was_lost_is_freed_and_an_ended_one_stays_end
         assert booking.output_blocks == 5 and unobserved == [booking]
 
     asyncio.run(scenario())
+
+
+def test_without_response_headers_a_json_first_chunk_is_a_whole_answer_and_sse_a_stream(slot_tracker: str) -> None:
+    """The access-log configuration shows the picker no response headers: the first chunk says
+    whether the answer is whole (JSON, nothing grows after it) or streamed (estimated)."""
+    async def scenario() -> None:
+        unobserved: list[Booking] = []
+        whole, _, _ = await booked(slot_tracker, "whole-2", unobserved=unobserved)
+        whole.response_chunk(b'  {"id": "cmpl-1", "choices": [{"text": "')
+        whole.unobserved()
+        streamed, _, _ = await booked(slot_tracker, "stream-2", unobserved=unobserved)
+        streamed.response_chunk(sse(1))
+        streamed.unobserved()
+        assert unobserved == [streamed] and whole.prefilled and streamed.prefilled
+        since = streamed.unobserved_since
+        assert since is not None
+        assert (whole.estimated_tokens(since + 1.0, 0.01), streamed.estimated_tokens(since + 1.0, 0.01)) == (0, 101)
+        whole.end("complete")
+        streamed.end("complete")
+        await asyncio.gather(whole.settled(), streamed.settled())
+        assert active(slot_tracker) == []
+
+    asyncio.run(scenario())

@@ -152,6 +152,7 @@ class Booking:
         self._log_adapter: logging.LoggerAdapter[logging.Logger] | None = None
         self._prompt_blocks = len(sequence_hashes)
         self._non_stream_body: list[bytes] | None = None
+        self._headers_seen = False  # the access-log configuration shows the picker no response headers
         self._calls: asyncio.Task[None] | None = None
         self._blocks_queued = False  # an /output_blocks call waits in the queue
         self._blocks_sent = 0
@@ -176,6 +177,7 @@ class Booking:
     # --- RequestTracker -------------------------------------------------------------------------
 
     def response_headers(self, status: int, headers: dict[str, str]) -> None:
+        self._headers_seen = True
         if status >= 400:
             self.end("error_status")
             return
@@ -208,6 +210,10 @@ class Booking:
         if self.ended is not None or not data:
             return
         if not self.prefilled:
+            if not self._headers_seen and data.lstrip()[:1] in (b"{", b"["):
+                # No headers to say so (the access-log configuration): a JSON body is a whole
+                # answer, not a stream whose output grows after this chunk.
+                self._non_stream_body = []
             self.prefilled = True
             self.in_flight.prefilled(self.target.rank, self.new_prefill_tokens)
             if self.on_prefilled is not None:
