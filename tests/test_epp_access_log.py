@@ -16,6 +16,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import struct_pb2, wrappers_pb2
 from prometheus_client import CollectorRegistry
 
+from dynamo_lite.epp import access_log
 from dynamo_lite.epp.access_log import AwaitingLog, LogEntry, read_entry
 from dynamo_lite.epp.grpc_server import EppServer
 from dynamo_lite.epp.metrics import EppMetrics
@@ -133,6 +134,34 @@ def test_expire_ends_only_trackers_silent_past_silence_secs() -> None:
         assert awaiting.expire(heard + 9.9) == 1  # "old" silent since its hand-over, past 10 s
         assert old.calls == [("end", "lost")] and young.calls == [] and len(awaiting) == 1
         assert awaiting.expire(heard + 10.1) == 1 and young.calls == [("end", "lost")]
+
+    asyncio.run(scenario())
+
+
+def test_an_entry_that_comes_before_its_hand_over_ends_the_tracker_at_the_hand_over(monkeypatch) -> None:
+    """A client gone during the prefill: Envoy logs the request while the picker, lagging, has
+    not handed its tracker over yet. The entry is kept a while and ends the tracker when it comes;
+    an entry kept past UNCLAIMED_SECS, or beyond UNCLAIMED_MAX, is dropped."""
+    monkeypatch.setattr(access_log, "UNCLAIMED_SECS", 0.2)
+    monkeypatch.setattr(access_log, "UNCLAIMED_MAX", 3)
+
+    async def scenario() -> None:
+        awaiting = AwaitingLog(silence_secs=0)
+        assert ended_by(awaiting, entry("early", downstream_remote_reset=True)) == "not_awaited"
+        assert ended_by(awaiting, entry("early-periodic", kind=al.AccessLogType.DownstreamPeriodic)) == "not_awaited"
+        early, periodic, late, crowded = Ending(), Ending(), Ending(), Ending()
+        awaiting.hand_over("early", early)
+        assert early.calls == [("end", "cancelled")] and len(awaiting) == 0
+        awaiting.hand_over("early-periodic", periodic)  # a periodic entry says nothing of an end
+        assert periodic.calls == [] and len(awaiting) == 1
+        assert ended_by(awaiting, entry("late")) == "not_awaited"
+        await asyncio.sleep(0.3)
+        awaiting.hand_over("late", late)  # its entry is too old to be its own
+        assert late.calls == [] and len(awaiting) == 2
+        for request_id in ("crowded", "b", "c", "d"):  # three kept at most: "crowded" goes first
+            assert ended_by(awaiting, entry(request_id)) == "not_awaited"
+        awaiting.hand_over("crowded", crowded)
+        assert crowded.calls == [] and len(awaiting) == 3
 
     asyncio.run(scenario())
 

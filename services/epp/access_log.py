@@ -33,6 +33,11 @@ from .protocol import DESTINATION_NAMESPACE, SERVED_KEY
 log = logging.getLogger(__name__)
 
 DEFAULT_SILENCE_SECS = 30.0  # three of the shipped configuration's 10 s periodic entries
+# A final entry for a request not (yet) handed over is kept this long, at most this many: a
+# stream whose client left during the prefill can be handed over after its entry came (a picker
+# lagging behind Envoy's 0.05 s batches), and must end then, not "lost" 30 s later.
+UNCLAIMED_SECS = 5.0
+UNCLAIMED_MAX = 65_536
 
 _FINAL_TYPES = (accesslog_pb2.AccessLogType.DownstreamEnd, accesslog_pb2.AccessLogType.NotSet)
 _PERIODIC = accesslog_pb2.AccessLogType.DownstreamPeriodic
@@ -109,6 +114,7 @@ class AwaitingLog:
         self.silence_secs = silence_secs
         self.metrics = metrics
         self._awaited: dict[str, tuple[Awaited, float]] = {}  # request id -> (tracker, last heard)
+        self._unclaimed: dict[str, tuple[LogEntry, float]] = {}  # final entries before their hand-over, oldest first
         self._sweeper: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -116,6 +122,10 @@ class AwaitingLog:
 
     def hand_over(self, request_id: str, tracker: Awaited) -> None:
         loop = asyncio.get_running_loop()
+        early = self._unclaimed.pop(request_id, None) if self._unclaimed else None
+        if early is not None and loop.time() - early[1] <= UNCLAIMED_SECS:
+            _apply(tracker, early[0])  # its entry came first: it ends now
+            return
         earlier = self._awaited.get(request_id)
         if earlier is not None and earlier[0] is not tracker:
             # Two answers with one x-request-id (a client's own, kept by Envoy): the log cannot
@@ -133,6 +143,8 @@ class AwaitingLog:
         (a request the picker did not hand over: refused, without body, or ended already)."""
         item = self._awaited.get(entry.request_id)
         if item is None:
+            if entry.final:
+                self._keep_unclaimed(entry)
             return "not_awaited"
         tracker, _ = item
         if not entry.final:
@@ -140,10 +152,20 @@ class AwaitingLog:
             return "alive"
         del self._awaited[entry.request_id]
         self._gauge()
-        if entry.served:
-            tracker.served(entry.served)
-        tracker.end(entry.reason)
+        _apply(tracker, entry)
         return "ended"
+
+    def _keep_unclaimed(self, entry: LogEntry) -> None:
+        """Keep a final entry nobody awaits for UNCLAIMED_SECS (see there); the oldest go first."""
+        now = asyncio.get_running_loop().time()
+        unclaimed = self._unclaimed
+        while unclaimed:
+            oldest = next(iter(unclaimed))
+            if now - unclaimed[oldest][1] <= UNCLAIMED_SECS and len(unclaimed) < UNCLAIMED_MAX:
+                break
+            del unclaimed[oldest]
+        unclaimed.pop(entry.request_id, None)  # re-inserted: newest last
+        unclaimed[entry.request_id] = (entry, now)
 
     def expire(self, now: float) -> int:
         """End the trackers not heard of for `silence_secs` ("lost"); how many (none when
@@ -174,6 +196,12 @@ class AwaitingLog:
     def _gauge(self) -> None:
         if self.metrics is not None:
             self.metrics.awaiting_log.set(len(self._awaited))
+
+
+def _apply(tracker: Awaited, entry: LogEntry) -> None:
+    if entry.served:
+        tracker.served(entry.served)
+    tracker.end(entry.reason)
 
 
 class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
