@@ -14,13 +14,18 @@ Two questions, one run:
    ROUND_ROBIN and LEAST_REQUEST; beside each, the simulator's numbers for the same run and the
    bound (one endless cache). Fresh processes (empty caches) for each policy.
 2. **The picker's own cost.** (a) the latency it adds: one small streamed request at a fixed
-   open-loop rate through Envoy with the picker and through Envoy ROUND_ROBIN without ext_proc;
-   (b) its CPU seconds per request (/proc/<pid>/stat); (c) the requests/s one picker process
-   sustains with 128-token streamed answers and fast engines, in these Envoy configurations:
-   (i) full duplex both ways (as shipped), (ii) response headers only, (iii) the response body
-   in a second, observability-mode ext_proc filter (with the tests' 0.5 s deferred close, and
-   with Envoy's default 5 s); with the bookkeeping each leaves on the slot tracker, under that
-   load and below capacity, and a cProfile of the picker summed by what the code does.
+   open-loop rate through Envoy with the picker and through Envoy ROUND_ROBIN without ext_proc,
+   on engines made nearly free; (b) its CPU seconds per request (/proc/<pid>/stat); (c) its CPU
+   per 256-token answer streamed one token per chunk, as vLLM streams by default (engines at
+   8x the default timing, about 0.9 ms per token, so each token reaches Envoy as its own
+   chunk: the full-duplex row's ext_proc messages per request show it), in these Envoy
+   configurations: (i) full duplex both ways (as shipped), (ii) response headers only, (iii)
+   the response body in a second, observability-mode ext_proc filter (with the tests' 0.5 s
+   deferred close, and with Envoy's default 5 s), (iv) the first response chunk only, the
+   answer's end from Envoy's gRPC access log (deploy/envoy/envoy-access-log.yaml); (ii) and
+   (iv), whose cost does not depend on the chunks, again on the fast engines at a higher rate;
+   with the bookkeeping each leaves on the slot tracker, under that load and below capacity,
+   and a cProfile of the picker summed by what the code does, in (i) and in (iv).
 
 The picker runs alone on CPU 0; Envoy, the engines, the slot tracker, the indexer and this load
 generator share CPU 1 (bench/servers.py's SERVER_CPU / CLIENT_CPU). A benchmark prints numbers:
@@ -52,6 +57,7 @@ from .gateway_load import Outcome, Planned, closed_loop, open_loop, summarise
 from .gateway_routing import RoutingSettings
 from .gateway_stack import (
     MODEL,
+    PICKER_ACCESS_LOG,
     PICKER_FULL,
     PICKER_HEADERS_ONLY,
     PICKER_OBSERVER,
@@ -70,28 +76,37 @@ BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "out" / "gateway"
 ENGINES = 4  # part 2: the picker's cost does not depend on the fleet's size
 # The picker's ext_proc configurations compared in part 2 (c), in the table's order.
+# The configurations whose picker CPU per answer does not depend on how many chunks it comes in:
+# measured again on the fast engines, at the higher rate those allow.
+FAST_ROWS = (PICKER_HEADERS_ONLY, PICKER_ACCESS_LOG)
 PICKER_CONFIGS = {
     PICKER_FULL: "(i) full duplex both ways (as shipped)",
     PICKER_HEADERS_ONLY: "(ii) response headers only (body NONE, trailers SKIP)",
     PICKER_OBSERVER: "(iii) request side + observability-mode filter for the response (deferred close 0.5 s)",
     PICKER_OBSERVER_5S: "(iii) the same, Envoy's default deferred close (5 s)",
+    PICKER_ACCESS_LOG: "(iv) the first response chunk only, the end from Envoy's access log (envoy-access-log.yaml)",
 }
 
 
 @dataclass(frozen=True)
 class Settings:
     routing: RoutingSettings = RoutingSettings()
-    # Part 2: the picker's cost, engines made nearly free.
+    # Part 2 (a): the added latency, engines made nearly free.
     fast_speedup: float = 1000.0
+    # Part 2 (c): answers streamed one token per chunk. At 1000x the engines emit tokens faster
+    # than Envoy reads them (16.5 ext_proc messages for a 128-token answer); at 8x (6.8 ms / 8 =
+    # 0.85 ms per token) nearly every token is a read, and so an ext_proc message, of its own.
+    paced_speedup: float = 8.0
     latency_rate: float = 100.0  # requests/s, open loop
     latency_seconds: float = 5.0  # per round and path
     latency_rounds: int = 2  # picker and round robin alternate: drift spreads over both
     small_prompt_tokens: int = 32
     small_max_tokens: int = 8
-    throughput_concurrency: int = 64
+    throughput_concurrency: int = 32
     throughput_seconds: float = 8.0
     throughput_warmup: float = 1.0
-    answer_tokens: int = 128
+    answer_tokens: int = 256
+    idle_seconds: float = 3.0  # the picker's CPU with no request: what per-request figures carry
     bookkeeping_rate: float = 30.0  # below every configuration's capacity: exactness, not overload
     bookkeeping_seconds: float = 3.0
     profile_seconds: float = 5.0
@@ -156,7 +171,7 @@ def added_latency(settings: Settings, stack: GatewayStack) -> dict[str, Any]:
 
 
 def throughput(settings: Settings, stack: GatewayStack, variant: str) -> dict[str, Any]:
-    """(c): closed loop of 128-token streamed answers; what the picker sustains and what it costs,
+    """(c): closed loop of 256-token answers streamed one token per chunk; what the picker costs,
     and what the bookkeeping looks like at the end of the window and after it."""
     envoy = stack.envoys[variant]
     picked = variant in PICKER_CONFIGS  # round robin: the picker sits idle, its figures mean nothing
@@ -231,20 +246,45 @@ def bookkeeping(settings: Settings, stack: GatewayStack, variant: str) -> dict[s
     return result
 
 
+def _fast_engines(settings: Settings) -> EngineSettings:
+    return EngineSettings(speedup=settings.fast_speedup, extra=["--decode-step-secs", "0.00001"])
+
+
+def _paced_engines(settings: Settings) -> EngineSettings:
+    return EngineSettings(speedup=settings.paced_speedup)
+
+
+def idle_cpu(settings: Settings, stack: GatewayStack) -> float:
+    """The picker's CPU seconds per second with no request in flight (health checks, the pool
+    watcher, the engines' /metrics): part of every per-request figure, more so at low rates."""
+    before = stack.picker_cpu_seconds()
+    time.sleep(settings.idle_seconds)
+    per_second = (stack.picker_cpu_seconds() - before) / settings.idle_seconds
+    progress(f"  picker CPU while idle: {1000 * per_second:.1f} ms per second")
+    return per_second
+
+
 def picker_cost(settings: Settings) -> dict[str, Any]:
-    engines = EngineSettings(speedup=settings.fast_speedup, extra=["--decode-step-secs", "0.00001"])
-    variants = (*PICKER_CONFIGS, ROUND_ROBIN)
-    with started_stack(engine_settings=engines, variants=variants) as stack:
+    fast = _fast_engines(settings)
+    with started_stack(engine_settings=fast, variants=(PICKER_FULL, ROUND_ROBIN, *FAST_ROWS)) as stack:
         latency = added_latency(settings, stack)
-        progress(f"picker throughput: closed loop, {settings.throughput_concurrency} concurrent "
-                 f"{settings.answer_tokens}-token streamed answers, {settings.throughput_seconds:.0f} s per "
+        progress(f"picker CPU per answer at a higher rate: the same closed loop on the fast engines (an answer in "
+                 f"a few chunks), where the picker's cost does not depend on the chunks: {', '.join(FAST_ROWS)}")
+        fast_rows = [throughput(settings, stack, variant) for variant in FAST_ROWS]
+    paced = _paced_engines(settings)
+    with started_stack(engine_settings=paced, variants=(*PICKER_CONFIGS, ROUND_ROBIN)) as stack:
+        idle = idle_cpu(settings, stack)
+        progress(f"picker CPU per answer: closed loop, {settings.throughput_concurrency} concurrent "
+                 f"{settings.answer_tokens}-token answers one token per chunk, {settings.throughput_seconds:.0f} s per "
                  f"configuration (round robin without the picker first: the rest of the stack's own ceiling)")
         rows = [throughput(settings, stack, variant) for variant in (ROUND_ROBIN, *PICKER_CONFIGS)]
         progress(f"bookkeeping below capacity: {settings.bookkeeping_rate:.0f} req/s open loop, "
                  f"{settings.answer_tokens}-token answers")
         books = [bookkeeping(settings, stack, variant) for variant in PICKER_CONFIGS]
-    return {"engine_flags": engines.extra + ["--speedup-ratio", str(engines.speedup)], "latency": latency,
-            "throughput": rows, "bookkeeping": books}
+    return {"engine_flags": fast.extra + ["--speedup-ratio", str(fast.speedup)],
+            "paced_engine_flags": paced.extra + ["--speedup-ratio", str(paced.speedup)],
+            "picker_idle_cpu_per_second": idle, "latency": latency, "throughput": rows, "bookkeeping": books,
+            "throughput_fast_engines": fast_rows}
 
 
 class _ProfiledStack(GatewayStack):
@@ -260,14 +300,14 @@ class _ProfiledStack(GatewayStack):
         return [*argv[:at], "cProfile", "-o", str(self.profile_path), "-m", *argv[at:]]
 
 
-def picker_profile(settings: Settings, workdir: Path) -> dict[str, Any]:
-    """Where the picker's time goes under the full-duplex closed loop of part 2 (c)."""
-    engines = EngineSettings(speedup=settings.fast_speedup, extra=["--decode-step-secs", "0.00001"])
-    path = workdir / "picker.prof"
+def picker_profile(settings: Settings, workdir: Path, variant: str = PICKER_FULL) -> dict[str, Any]:
+    """Where the picker's time goes under part 2 (c)'s closed loop, in one Envoy configuration."""
+    engines = _paced_engines(settings)
+    path = workdir / f"picker-{variant}.prof"
     body = _completion(list(range(400, 400 + settings.small_prompt_tokens)), settings.answer_tokens)
-    progress(f"profile: the picker under cProfile, full duplex, closed loop for {settings.profile_seconds:.0f} s")
-    with started_stack(engine_settings=engines, variants=(PICKER_FULL,), profile_path=path) as stack:
-        outcomes, seconds = run(closed_loop(stack.envoys[PICKER_FULL].url, settings.throughput_concurrency,
+    progress(f"profile: the picker under cProfile, {variant}, closed loop for {settings.profile_seconds:.0f} s")
+    with started_stack(engine_settings=engines, variants=(variant,), profile_path=path) as stack:
+        outcomes, seconds = run(closed_loop(stack.envoys[variant].url, settings.throughput_concurrency,
                                             settings.profile_seconds, lambda _: ("/v1/completions", body),
                                             warmup=settings.throughput_warmup))
         stack.wait_idle(settings.idle_timeout)
@@ -408,24 +448,23 @@ def markdown(results: dict[str, Any]) -> str:
             f"| **added by the picker** | **{_ms(latency['added_p50_ms'])}** | **{_ms(latency['added_p99_ms'])}** | "
             "| | |",
             "",
-            f"Picker throughput: closed loop, {results['settings']['throughput_concurrency']} concurrent "
-            f"{results['settings']['answer_tokens']}-token streamed answers; picker alone on CPU {SERVER_CPU}, "
-            f"everything else on CPU {CLIENT_CPU}.",
+            f"Picker CPU per answer: closed loop, {results['settings']['throughput_concurrency']} concurrent "
+            f"{results['settings']['answer_tokens']}-token answers streamed one token per chunk (engines "
+            f"`{' '.join(cost['paced_engine_flags'])}`); picker alone on CPU {SERVER_CPU}, everything else on CPU "
+            f"{CLIENT_CPU}; the picker idle costs {1000 * cost['picker_idle_cpu_per_second']:.1f} ms of CPU per "
+            "second, included below.",
             "",
             "| Envoy configuration | req/s | picker CPU per request | picker CPU use | req/s per picker core "
             "(1 ÷ CPU per request) | ext_proc messages to / from the picker per request | slot tracker + indexer "
             "calls per request | slot tracker active at the window's end (in flight) | ends by reason | errors |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for row in cost["throughput"]:
-            title = PICKER_CONFIGS.get(row["variant"], "Envoy ROUND_ROBIN, no picker (the rest of the stack)")
-            lines.append(
-                f"| {title} | {row['requests_per_s']:.0f} | {_num(row['picker_cpu_ms_per_request'], '.2f', ' ms')} | "
-                f"{_num(row['picker_cpu_utilisation'], '.0%')} | {_num(row['requests_per_s_per_picker_core'], '.0f')} | "
-                f"{row['ext_proc_messages_to_picker_per_request']:.1f} / "
-                f"{row['ext_proc_messages_from_picker_per_request']:.1f} | {_num(row['service_calls_per_request'], '.1f')} | "
-                f"{_num(row['slot_tracker_active_at_window_end'], 'd')} ({row['in_flight_at_window_end']}) | "
-                f"{_format_ends(row['ends'])} | {row['errors']} |")
+        header = lines[-2:]
+        lines += [_throughput_row(row) for row in cost["throughput"]]
+        if cost.get("throughput_fast_engines"):
+            lines += ["", "The same on the fast engines (an answer in a few chunks, so a higher rate), for the "
+                      "configurations whose picker CPU does not depend on the chunks:", "", *header]
+            lines += [_throughput_row(row) for row in cost["throughput_fast_engines"]]
         lines += [
             "",
             f"Bookkeeping below capacity ({results['settings']['bookkeeping_rate']:.0f} req/s open loop, "
@@ -438,14 +477,25 @@ def markdown(results: dict[str, Any]) -> str:
         for row in cost["bookkeeping"]:
             lines.append(f"| {PICKER_CONFIGS[row['variant']]} | {row['active_at_last_answer']} | "
                          f"{row['seconds_to_zero_active']:.1f} | {_format_ends(row['ends'])} |")
-    profile = results.get("profile")
-    if profile and "shares" in profile:
-        lines += ["", f"Where the picker's time goes (cProfile, full duplex, closed loop; "
-                      f"{profile['requests_per_s_under_profiler']:.0f} req/s under the profiler; the picker's "
-                      "waiting left out):", "",
-                  "| share of the picker's Python time | what |", "|---|---|"]
-        lines += [f"| {share:.0%} | {name} |" for name, share in profile["shares"].items()]
+    for key, what in (("profile", "full duplex"), ("profile_access_log", "the access-log configuration")):
+        profile = results.get(key)
+        if profile and "shares" in profile:
+            lines += ["", f"Where the picker's time goes (cProfile, {what}, closed loop; "
+                          f"{profile['requests_per_s_under_profiler']:.0f} req/s under the profiler; the picker's "
+                          "waiting left out):", "",
+                      "| share of the picker's Python time | what |", "|---|---|"]
+            lines += [f"| {share:.0%} | {name} |" for name, share in profile["shares"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _throughput_row(row: dict[str, Any]) -> str:
+    title = PICKER_CONFIGS.get(row["variant"], "Envoy ROUND_ROBIN, no picker (the rest of the stack)")
+    return (f"| {title} | {row['requests_per_s']:.0f} | {_num(row['picker_cpu_ms_per_request'], '.2f', ' ms')} | "
+            f"{_num(row['picker_cpu_utilisation'], '.0%')} | {_num(row['requests_per_s_per_picker_core'], '.0f')} | "
+            f"{row['ext_proc_messages_to_picker_per_request']:.1f} / "
+            f"{row['ext_proc_messages_from_picker_per_request']:.1f} | {_num(row['service_calls_per_request'], '.1f')} | "
+            f"{_num(row['slot_tracker_active_at_window_end'], 'd')} ({row['in_flight_at_window_end']}) | "
+            f"{_format_ends(row['ends'])} | {row['errors']} |")
 
 
 def _format_ends(ends: dict[str, int]) -> str:
@@ -538,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         if "profile" in args.parts:
             with tempfile.TemporaryDirectory(prefix="bench-gateway-profile-") as workdir:
                 results["profile"] = picker_profile(settings, Path(workdir))
+                results["profile_access_log"] = picker_profile(settings, Path(workdir), PICKER_ACCESS_LOG)
     finally:
         results["meta"]["wall_s"] = time.monotonic() - started
         (args.out / "gateway.json").write_text(json.dumps(results, indent=1) + "\n")

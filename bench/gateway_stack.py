@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import yaml
 
-from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
+from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, access_log_ends, observer_filter
 
 # bench.servers puts tests/ on sys.path and imports the test suite's process runner (plain
 # Python, no pytest): take it from there, so no import order can break it.
@@ -70,10 +70,14 @@ PICKER_HEADERS_ONLY = "picker_headers_only"
 # default 5 s (a picker that lags behind still gets every message).
 PICKER_OBSERVER = "picker_observer"
 PICKER_OBSERVER_5S = "picker_observer_5s"
+# (iv) The picker sees the response headers and the first body chunk, then hands the answer back;
+# its end comes in Envoy's gRPC access log (deploy/envoy/envoy-access-log.yaml).
+PICKER_ACCESS_LOG = "picker_access_log"
 # Envoy's own balancers over the same engines cluster, no ext_proc filter at all.
 ROUND_ROBIN = "round_robin"
 LEAST_REQUEST = "least_request"
-VARIANTS = (PICKER_FULL, PICKER_HEADERS_ONLY, PICKER_OBSERVER, PICKER_OBSERVER_5S, ROUND_ROBIN, LEAST_REQUEST)
+VARIANTS = (PICKER_FULL, PICKER_HEADERS_ONLY, PICKER_OBSERVER, PICKER_OBSERVER_5S, PICKER_ACCESS_LOG, ROUND_ROBIN,
+            LEAST_REQUEST)
 
 # The split configurations' circuit breaker on the ext_proc cluster (see `envoy_config`).
 OBSERVER_MAX_STREAMS = 100_000
@@ -126,6 +130,8 @@ def envoy_config(variant: str, *, listen_port: int, admin_port: int, picker_port
         # request fails 500 at once (upstream_rq_active_overflow; seen at ~290 req/s with 5 s).
         # The split configuration needs a higher limit: part of the configuration measured.
         ext_proc_cluster["circuit_breakers"] = {"thresholds": [{"max_requests": OBSERVER_MAX_STREAMS}]}
+    elif variant == PICKER_ACCESS_LOG:
+        config = access_log_ends(config)
     return config
 
 

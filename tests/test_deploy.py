@@ -718,7 +718,7 @@ def test_pool_from_pods_data_parallel_ranks_and_no_events() -> None:
     assert plain[0].kv_events_endpoint is None and plain[0].replay_endpoint is None
 
 
-@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-fallbacks.yaml", "envoy-observer.yaml"])
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-fallbacks.yaml", "envoy-observer.yaml", "envoy-access-log.yaml"])
 def test_shipped_envoy_configurations_validate(name: str) -> None:
     binary = envoy_binary()
     if binary is None:
@@ -737,6 +737,17 @@ def test_the_observer_configuration_is_the_fallbacks_one_split() -> None:
     fallbacks = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy-fallbacks.yaml").read_text())
     observer = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy-observer.yaml").read_text())
     assert observer == split_response_side(fallbacks)
+
+
+def test_the_access_log_configuration_is_the_fallbacks_one_with_its_ends_logged() -> None:
+    """deploy/envoy/envoy-access-log.yaml is envoy-fallbacks.yaml as `access_log_ends` makes it:
+    the response body STREAMED to the picker (which closes after the first chunk), the access
+    log to the picker's cluster, and nothing else changed."""
+    from dynamo_lite.epp.envoy_config import access_log_ends
+
+    fallbacks = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy-fallbacks.yaml").read_text())
+    logged = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy-access-log.yaml").read_text())
+    assert logged == access_log_ends(fallbacks)
 
 
 def test_both_services_and_the_picker_take_their_api_keys_from_one_secret(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from support.reference_server import free_port, running_server, running_service
 
 from dynamo_lite.client import AsyncSlotTrackerClient
-from dynamo_lite.epp.booking import Booking, BookingTarget, InFlight
+from dynamo_lite.epp.booking import Booking, BookingTarget, InFlight, estimated_output_tokens
 from dynamo_lite.epp.metrics import EppMetrics
 
 MODEL = "m"
@@ -39,7 +39,8 @@ def sse(tokens: int) -> bytes:
 
 
 async def booked(url: str, request_id: str, *, fallbacks: dict[str, BookingTarget] | None = None,
-                 tracker: AsyncSlotTrackerClient | None = None) -> tuple[Booking, InFlight, list[str]]:
+                 tracker: AsyncSlotTrackerClient | None = None, max_output_tokens: int | None = None,
+                 unobserved: list[Booking] | None = None) -> tuple[Booking, InFlight, list[str]]:
     in_flight = InFlight()
     ended: list[str] = []
     booking = Booking(
@@ -47,6 +48,7 @@ async def booked(url: str, request_id: str, *, fallbacks: dict[str, BookingTarge
         in_flight=in_flight, request_id=request_id, model=MODEL, tenant_id="default",
         target=BookingTarget(1, 0, "10.0.0.1:8000"), fallbacks=fallbacks or {}, sequence_hashes=[11, 12, 13],
         new_prefill_tokens=10, block_size=4, on_end=lambda: ended.append(request_id),
+        max_output_tokens=max_output_tokens, on_unobserved=None if unobserved is None else unobserved.append,
     )
     return booking, in_flight, ended
 
@@ -126,5 +128,114 @@ def test_a_slot_tracker_away_at_the_end_is_freed_when_it_is_back(tmp_path) -> No
         with running_server(argv, port):
             await asyncio.wait_for(booking.settled(), timeout=10)
             assert active(url) == []
+
+    asyncio.run(scenario())
+
+
+# -- answers the gateway stops showing after their first chunk (the access-log configuration) ----
+
+
+def test_an_unseen_answer_grows_by_one_token_per_decode_step_up_to_its_max_tokens() -> None:
+    assert estimated_output_tokens(1, 0.0, 0.01, None) == 1
+    assert estimated_output_tokens(1, 0.095, 0.01, None) == 10  # 9 whole steps after the first token
+    assert estimated_output_tokens(1, 10.0, 0.01, 64) == 64  # never past max_tokens
+    assert estimated_output_tokens(3, 5.0, 0.01, 2) == 3  # what was counted stays counted
+    assert estimated_output_tokens(1, -1.0, 0.01, None) == 1  # a clock read before the hand-over
+    assert estimated_output_tokens(1, 5.0, 0.0, None) == 1  # no known step: no growth
+
+
+def test_an_unseen_answer_books_its_estimated_output_and_frees_it_at_the_end(slot_tracker: str) -> None:
+    async def scenario() -> None:
+        unobserved: list[Booking] = []
+        booking, in_flight, ended = await booked(slot_tracker, "unseen-1", max_output_tokens=30, unobserved=unobserved)
+        booking.response_headers(200, {"content-type": "text/event-stream"})
+        booking.response_chunk(sse(1))  # the first token: prefill complete
+        booking.unobserved()
+        booking.unobserved()  # once
+        assert unobserved == [booking]
+        since = booking.unobserved_since
+        assert since is not None
+        booking.estimate_output(since + 0.05, 0.01)  # 1 + 5 tokens: one block of 4
+        await booking.settled()
+        [request] = active(slot_tracker)
+        assert (request["output_blocks"], in_flight.get((1, 0)).decode_blocks) == (1, 3 + 1)
+        booking.estimate_output(since + 60.0, 0.01)  # capped at max_tokens: 30 tokens, 7 blocks
+        await booking.settled()
+        [request] = active(slot_tracker)
+        assert request["output_blocks"] == 7 and booking.estimated_tokens(since + 60.0, 0.01) == 30
+        booking.end("complete")
+        booking.estimate_output(since + 90.0, 0.01)  # after the end: nothing more
+        await booking.settled()
+        assert active(slot_tracker) == [] and ended == ["unseen-1"] and in_flight.total == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_whole_answer_unseen_after_its_first_chunk_is_not_estimated(slot_tracker: str) -> None:
+    """A JSON answer's first chunk comes when it is written: nothing grows after it."""
+    async def scenario() -> None:
+        unobserved: list[Booking] = []
+        booking, _, _ = await booked(slot_tracker, "whole-1", unobserved=unobserved)
+        booking.response_headers(200, {"content-type": "application/json"})
+        booking.response_chunk(b'{"choices": [{"text": "')
+        booking.unobserved()
+        assert unobserved == []
+        since = booking.unobserved_since
+        assert since is not None
+        booking.estimate_output(since + 10.0, 0.01)
+        await booking.settled()
+        [request] = active(slot_tracker)
+        assert request["output_blocks"] == 0
+        booking.end("complete")
+        await booking.settled()
+        assert active(slot_tracker) == []
+
+    asyncio.run(scenario())
+
+
+def test_an_unseen_answer_whose_end_was_lost_is_freed_and_an_ended_one_stays_ended(slot_tracker: str) -> None:
+    async def scenario() -> None:
+        unobserved: list[Booking] = []
+        booking, in_flight, ended = await booked(slot_tracker, "lost-1", unobserved=unobserved)
+        booking.response_headers(200, {"content-type": "text/event-stream"})
+        booking.response_chunk(sse(1))
+        booking.unobserved()
+        since = booking.unobserved_since
+        assert since is not None
+        booking.estimate_output(since + 0.2, 0.01)  # no max_tokens: 21 tokens, 5 blocks
+        await booking.settled()
+        [request] = active(slot_tracker)
+        assert request["output_blocks"] == 5 and request["new_isl_tokens"] == 0  # prefilled: counted
+        booking.end("lost")  # the access log never reported it (AwaitingLog's silence)
+        await booking.settled()
+        assert active(slot_tracker) == [] and ended == ["lost-1"] and in_flight.total == 0
+        assert booking.metrics.ends.labels("lost")._value.get() == 1
+        # Once ended, neither a late hand-over nor an estimate books anything.
+        booking.unobserved()
+        booking.estimate_output(since + 10.0, 0.01)
+        assert booking.output_blocks == 5 and unobserved == [booking]
+
+    asyncio.run(scenario())
+
+
+def test_without_response_headers_a_json_first_chunk_is_a_whole_answer_and_sse_a_stream(slot_tracker: str) -> None:
+    """The access-log configuration shows the picker no response headers: the first chunk says
+    whether the answer is whole (JSON, nothing grows after it) or streamed (estimated)."""
+    async def scenario() -> None:
+        unobserved: list[Booking] = []
+        whole, _, _ = await booked(slot_tracker, "whole-2", unobserved=unobserved)
+        whole.response_chunk(b'  {"id": "cmpl-1", "choices": [{"text": "')
+        whole.unobserved()
+        streamed, _, _ = await booked(slot_tracker, "stream-2", unobserved=unobserved)
+        streamed.response_chunk(sse(1))
+        streamed.unobserved()
+        assert unobserved == [streamed] and whole.prefilled and streamed.prefilled
+        since = streamed.unobserved_since
+        assert since is not None
+        assert (whole.estimated_tokens(since + 1.0, 0.01), streamed.estimated_tokens(since + 1.0, 0.01)) == (0, 101)
+        whole.end("complete")
+        streamed.end("complete")
+        await asyncio.gather(whole.settled(), streamed.settled())
+        assert active(slot_tracker) == []
 
     asyncio.run(scenario())

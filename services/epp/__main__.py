@@ -24,10 +24,12 @@ from dynamo_lite.cli import (
 from dynamo_lite.scheduling import SchedulerConfigError
 from dynamo_lite.scheduling.flags import add_scheduling_arguments, scheduler_config
 
+from .access_log import DEFAULT_SILENCE_SECS
 from .app import DEFAULT_ENGINE_METRICS_SECS, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EppConfig, create_app
 from .picker import (
     DEFAULT_FALLBACKS,
     DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_OUTPUT_ESTIMATE_SECS,
     DEFAULT_PRIORITY_HEADER,
     DEFAULT_SESSION_HEADER,
     PickerSettings,
@@ -124,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
     queue.add_argument("--priority-header", default=DEFAULT_PRIORITY_HEADER,
                        help="request header with a priority, in seconds a request may jump ahead in the queue "
                        "(Dynamo's latency_sensitivity)")
+    answers = parser.add_argument_group(
+        "answers the gateway hands back after their first chunk (deploy/envoy/envoy-access-log.yaml)",
+        "With that Envoy file the picker sees each answer's first chunk only and learns its end from Envoy's "
+        "gRPC access log (envoy.service.accesslog.v3, served on --port beside ext_proc: nothing to turn on "
+        "here; not the HTTP --access-log above); the output in between is estimated. About 1.4 ms of picker "
+        "CPU per answer whatever its length, against 10 ms for a 256-token answer relayed chunk by chunk "
+        "(docs/gateway.md).")
+    answers.add_argument("--access-log-silence-secs", type=non_negative_float, default=DEFAULT_SILENCE_SECS,
+                         help="an answer whose end Envoy's access log has not reported, and whose stream it has not "
+                         "listed among those still running, for this long ends 'lost' (its booking freed); keep it "
+                         "above Envoy's access_log_flush_interval (10 s as shipped); 0: never")
+    answers.add_argument("--output-estimate-secs", type=positive_float, default=DEFAULT_OUTPUT_ESTIMATE_SECS,
+                         help="how often the output of such answers is re-estimated from their engine's decode step "
+                         "(/output_blocks as it grows: shorter tracks the load closer and costs more calls)")
     parser.add_argument("--shutdown-grace-secs", type=non_negative_float, default=30.0,
                         help="on SIGTERM, how long streams in flight may take to finish")
     # The HTTP side's keys and TLS are the services' flags; the picker presents its first full
@@ -154,14 +170,14 @@ def main(argv: list[str] | None = None) -> None:
         queue_policy=QueuePolicy(args.router_queue_policy), queue_max_wait_secs=args.queue_max_wait_secs,
         queue_max_size=args.queue_max_size, priority_header=args.priority_header.lower(),
         session_header=args.session_header.lower() or None, fallbacks=args.fallbacks, seed=args.seed,
-        max_prompt_tokens=args.max_prompt_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, output_estimate_secs=args.output_estimate_secs,
     )
     own_key = args.api_keys.write_keys[0] if args.api_keys is not None else None
     config = EppConfig(
         pool_file=args.pool, slot_tracker_url=args.slot_tracker, indexer_url=args.indexer, tokenizer=args.tokenizer,
         render_url=args.render_url, grpc_host=args.host, grpc_port=args.port, cert=args.cert, key=args.key,
         client_ca=args.client_ca, engine_metrics_secs=args.engine_metrics_secs,
-        tokenizer_threads=args.tokenizer_threads,
+        tokenizer_threads=args.tokenizer_threads, access_log_silence_secs=args.access_log_silence_secs,
         picker=settings, pool_poll_secs=args.pool_poll_secs, shutdown_grace_secs=args.shutdown_grace_secs,
         credentials=client_credentials_from(args, api_key_flag=SERVICES_API_KEY_FLAG,
                                             default_key=own_key.decode() if own_key else None),

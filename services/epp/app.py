@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from dynamo_lite.http import Answer
 from dynamo_lite.tokenizer import Tokenizer
 from dynamo_lite.validation import decode_json
 
+from .access_log import DEFAULT_SILENCE_SECS
 from .engine_metrics import EngineMetricsReader
 from .grpc_server import EppServer
 from .metrics import EppMetrics
@@ -64,6 +66,8 @@ class EppConfig:
     shutdown_grace_secs: float = 30.0
     engine_metrics_secs: float = DEFAULT_ENGINE_METRICS_SECS  # 0: the engines' /metrics are not read
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
+    # An answer handed to Envoy's access log and not heard of this long ends "lost" (0: never).
+    access_log_silence_secs: float = DEFAULT_SILENCE_SECS
     # The key and TLS settings the picker presents to both services.
     credentials: ClientCredentials = field(default_factory=ClientCredentials.from_env)
 
@@ -164,13 +168,18 @@ def create_app(config: EppConfig) -> http.Service:
                                          on_context_length=picker.set_context_length)
             background.append(loop.create_task(reader.run(), name="engine-metrics"))
         server = EppServer(picker, host=config.grpc_host, port=config.grpc_port, cert=config.cert, key=config.key,
-                           client_ca=config.client_ca, ready=lambda: watcher.ready)
+                           client_ca=config.client_ca, ready=lambda: watcher.ready,
+                           access_log_silence_secs=config.access_log_silence_secs, metrics=metrics_holder["metrics"])
         try:
             await server.start()
         except Exception as exc:
             for task in background:
                 task.cancel()
             raise RuntimeError(f"cannot serve gRPC on {config.grpc_host}:{config.grpc_port}: {exc}") from exc
+        # What start-up built (modules, the tokenizer, the pool) lives as long as the process:
+        # out of the collector's sight, full collections scan only what requests leave behind
+        # (they were 2 % of the picker's CPU under load, bench.gateway).
+        gc.freeze()
         try:
             yield
         finally:

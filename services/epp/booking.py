@@ -10,14 +10,22 @@ or the slot tracker's request TTL would free it anyway.
 
 The picker also keeps its own count of what it booked per rank (`InFlight`): what it routes
 by when the slot tracker cannot be reached, and what tells the queue a rank has room again.
+
+When the gateway stops showing the picker the answer after its first chunk (the access-log
+configuration, `access_log.py`), the booking is told so (`unobserved`) and its output is
+estimated instead of counted: one token per decode step of its engine since the last chunk seen,
+up to the request's max_tokens (`estimated_output_tokens`); the picker re-estimates every
+answer it no longer sees on a timer (`estimate_output`) and the blocks go out as counted ones do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError, ServiceStatusError
 
@@ -78,6 +86,13 @@ class InFlight:
             del self.ranks[rank]
 
 
+def estimated_output_tokens(seen: int, seconds_unseen: float, step_secs: float, cap: int | None) -> int:
+    """An answer's output after `seconds_unseen` without seeing it, `seen` tokens counted before:
+    one token per decode step (`step_secs`) of its engine, at most `cap` (its max_tokens)."""
+    tokens = seen + (int(seconds_unseen / step_secs) if step_secs > 0 and seconds_unseen > 0 else 0)
+    return tokens if cap is None else max(seen, min(tokens, cap))
+
+
 @dataclass(frozen=True, slots=True)
 class BookingTarget:
     """Where a request is booked: the rank, and the pieces `/add` needs."""
@@ -110,6 +125,8 @@ class Booking:
         block_size: int,
         on_end: Callable[[], None],
         on_prefilled: Callable[[], None] | None = None,
+        max_output_tokens: int | None = None,
+        on_unobserved: Callable[[Booking], None] | None = None,
     ) -> None:
         self.slot_tracker = slot_tracker  # None: the slot tracker was away at the pick: own counts only
         self.metrics = metrics
@@ -124,14 +141,18 @@ class Booking:
         self.block_size = block_size
         self.on_end = on_end
         self.on_prefilled = on_prefilled
+        self.max_output_tokens = max_output_tokens  # the request's max_tokens: what an estimate stays under
+        self.on_unobserved = on_unobserved
+        self.unobserved_since: float | None = None  # time.monotonic() when the gateway stopped showing chunks
+        self._seen_tokens = 0  # output tokens counted from chunks before that
         self.prefilled = False
         self.output_tokens = 0
         self.output_blocks = 0
         self.ended: str | None = None
-        # Every line about this request carries its id as a field (`--log-format json`).
-        self._log = logging.LoggerAdapter(logger, {"fields": {"request_id": request_id}})
+        self._log_adapter: logging.LoggerAdapter[logging.Logger] | None = None
         self._prompt_blocks = len(sequence_hashes)
         self._non_stream_body: list[bytes] | None = None
+        self._headers_seen = False  # the access-log configuration shows the picker no response headers
         self._calls: asyncio.Task[None] | None = None
         self._blocks_queued = False  # an /output_blocks call waits in the queue
         self._blocks_sent = 0
@@ -140,9 +161,23 @@ class Booking:
         if slot_tracker is not None:
             self._then(self._add)
 
+    @property
+    def _log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """Every line about this request carries its id as a field (`--log-format json`); made
+        on the first line, which most requests never write."""
+        if self._log_adapter is None:
+            self._log_adapter = logging.LoggerAdapter(logger, {"fields": {"request_id": self.request_id}})
+        return self._log_adapter
+
+    @property
+    def last_call(self) -> asyncio.Task[None] | None:
+        """The last slot tracker call sent: done once every call sent so far is."""
+        return self._calls
+
     # --- RequestTracker -------------------------------------------------------------------------
 
     def response_headers(self, status: int, headers: dict[str, str]) -> None:
+        self._headers_seen = True
         if status >= 400:
             self.end("error_status")
             return
@@ -175,6 +210,10 @@ class Booking:
         if self.ended is not None or not data:
             return
         if not self.prefilled:
+            if not self._headers_seen and data.lstrip()[:1] in (b"{", b"["):
+                # No headers to say so (the access-log configuration): a JSON body is a whole
+                # answer, not a stream whose output grows after this chunk.
+                self._non_stream_body = []
             self.prefilled = True
             self.in_flight.prefilled(self.target.rank, self.new_prefill_tokens)
             if self.on_prefilled is not None:
@@ -187,8 +226,38 @@ class Booking:
             return
         # One SSE event per generated token (vLLM, SGLang, TensorRT-LLM stream token by token);
         # the usage chunk (`"choices":[]`) and `[DONE]` are not tokens.
-        self.output_tokens += data.count(b"data: {") - data.count(b'"choices":[]')
-        blocks = self.output_tokens // self.block_size
+        self._output(self.output_tokens + data.count(b"data: {") - data.count(b'"choices":[]'))
+
+    def unobserved(self) -> None:
+        """The gateway relays the rest of the answer without the picker (the end is still
+        reported): from here the output is estimated (`estimate_output`)."""
+        if self.ended is not None or self.unobserved_since is not None:
+            return
+        self.unobserved_since = time.monotonic()
+        self._seen_tokens = self.output_tokens
+        if self._non_stream_body is not None:
+            return  # a whole (not streamed) answer: its first chunk came once it was written
+        if self.on_unobserved is not None:
+            self.on_unobserved(self)
+
+    def estimated_tokens(self, at: float, step_secs: float) -> int:
+        """The output by time.monotonic() `at` (estimated once unobserved, else as counted)."""
+        if self.unobserved_since is None or self._non_stream_body is not None:
+            return self.output_tokens
+        return estimated_output_tokens(self._seen_tokens, at - self.unobserved_since, step_secs,
+                                       self.max_output_tokens)
+
+    def estimate_output(self, at: float, step_secs: float) -> None:
+        """Book the output estimated for time `at` (an unobserved answer; see the module docstring)."""
+        if self.ended is None and self.unobserved_since is not None:
+            self._output(self.estimated_tokens(at, step_secs))
+
+    def _output(self, tokens: int) -> None:
+        """The answer's output is `tokens` (counted or estimated): the blocks it fills are booked."""
+        if tokens <= self.output_tokens:
+            return
+        self.output_tokens = tokens
+        blocks = tokens // self.block_size
         if blocks > self.output_blocks:
             self.in_flight.grow(self.target.rank, blocks - self.output_blocks)
             self.output_blocks = blocks
@@ -213,12 +282,15 @@ class Booking:
 
     # --- the calls, in order ---------------------------------------------------------------------
 
-    def _then(self, call: Callable[[], Awaitable[None]]) -> None:
+    def _then(self, call: Callable[[], Coroutine[Any, Any, None]]) -> None:
         previous = self._calls
+        if previous is None or previous.done():  # nothing to wait for: no wrapper task
+            self._calls = asyncio.get_running_loop().create_task(call())
+            return
 
         async def run() -> None:
-            if previous is not None:
-                await asyncio.shield(previous) if not previous.done() else None
+            if not previous.done():
+                await asyncio.shield(previous)
             await call()
 
         self._calls = asyncio.get_running_loop().create_task(run())
@@ -300,4 +372,4 @@ class Booking:
             await asyncio.shield(self._calls)
 
 
-__all__ = ["Booking", "BookingTarget", "InFlight", "RankCount"]
+__all__ = ["Booking", "BookingTarget", "InFlight", "RankCount", "estimated_output_tokens"]

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from .protocol import ANSWER_ENDS_BY_ACCESS_LOG, ANSWER_ENDS_METADATA, ENGINE_HEADER
+
 SHIPPED = "envoy.yaml"  # package data: a symlink to deploy/envoy/envoy-fallbacks.yaml
 
 
@@ -156,5 +158,63 @@ def split_response_side(config: dict[str, Any], deferred_close_timeout: str | No
     return config
 
 
-__all__ = ["EXT_PROC", "REQUEST_SIDE_ONLY", "PickerTls", "cluster", "configure", "http_filter", "http_filters",
+ACCESS_LOGGER = "envoy.access_loggers.http_grpc"
+ACCESS_LOG_NAME = "dynamo-lite-epp"
+# The access-log configuration's response side: the body STREAMED, each chunk held for the
+# picker's answer, until the picker has seen the first one and closes its stream; no headers
+# (the served engine comes with the first chunk's metadata, the status in the access log), no
+# trailers.
+FIRST_CHUNK_ONLY: dict[str, Any] = {
+    "response_header_mode": "SKIP",
+    "response_body_mode": "STREAMED",
+    "response_trailer_mode": "SKIP",
+}
+# The picker sees no response headers there: Envoy names the engine that answered itself.
+ENGINE_RESPONSE_HEADER: dict[str, Any] = {
+    "header": {"key": ENGINE_HEADER, "value": "%UPSTREAM_HOST%"},
+    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+}
+
+
+def access_log_ends(config: dict[str, Any], *, flush_interval: str = "0.05s",
+                    periodic_interval: str = "10s") -> dict[str, Any]:
+    """A copy of `config` where the picker sees each answer's first body chunk only (the first
+    token) and learns its end from Envoy's gRPC access log (docs/gateway.md): the picker's
+    ext_proc filter sends the response body STREAMED and tells the picker, in its stream's gRPC
+    metadata, that the access log reports the end; an `envoy.access_loggers.http_grpc` logger on
+    the connection manager streams one entry per request to the picker's cluster; the route's
+    virtual hosts add x-dynamo-lite-engine to answers themselves.
+
+    `flush_interval`: how long Envoy batches entries, so how late a booking may be freed
+    (0.05 s: a few entries per message at a few hundred requests/s). `periodic_interval`: an
+    entry for every stream still running this often (the connection manager's
+    access_log_flush_interval, for all its loggers), by which the picker tells a long answer
+    from one whose end was lost (--access-log-silence-secs, 30 s, must stay above it)."""
+    config = copy.deepcopy(config)
+    ext_proc = http_filter(config, EXT_PROC)["typed_config"]
+    ext_proc["processing_mode"].update(FIRST_CHUNK_ONLY)
+    picker = ext_proc["grpc_service"]
+    picker["initial_metadata"] = [{"key": ANSWER_ENDS_METADATA, "value": ANSWER_ENDS_BY_ACCESS_LOG}]
+    hcm = _hcm(config)
+    hcm.setdefault("access_log", []).append({
+        "name": ACCESS_LOGGER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": ACCESS_LOG_NAME,
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": copy.deepcopy(picker["envoy_grpc"])},
+                "buffer_flush_interval": flush_interval,
+            },
+        },
+    })
+    hcm.setdefault("access_log_options", {})["access_log_flush_interval"] = periodic_interval
+    for host in hcm["route_config"]["virtual_hosts"]:
+        host.setdefault("response_headers_to_add", []).append(copy.deepcopy(ENGINE_RESPONSE_HEADER))
+    return config
+
+
+__all__ = ["ACCESS_LOGGER", "ACCESS_LOG_NAME", "ENGINE_RESPONSE_HEADER", "EXT_PROC", "FIRST_CHUNK_ONLY",
+           "REQUEST_SIDE_ONLY",
+           "access_log_ends", "PickerTls", "cluster", "configure", "http_filter", "http_filters",
            "observer_filter", "shipped_config", "split_response_side"]

@@ -15,6 +15,12 @@ ways (deploy/envoy/envoy.yaml), so the stream goes:
   trailers          TrailersResponse; response trailers end the request ("trailers")
   stream gone       tracker.end("cancelled") (exactly once, whatever happened)
 
+A stream whose gRPC initial metadata says `x-dynamo-lite-answer-ends: access-log`
+(envoy_config.access_log_ends) has its response body STREAMED: the picker answers the first
+non-empty chunk (tracker.response_chunk: the first token), hands the tracker to the access log
+(`access_log.AwaitingLog`, tracker.unobserved) and closes the stream, so Envoy relays the rest of
+the answer without it; the end comes in Envoy's access log on this same gRPC port.
+
 Messages flagged `observability_mode` get no reply. Such a stream never picks: it attaches to the
 pick another (primary) stream made for the same `x-request-id` and drives that pick's tracker, so
 an operator can run the response side as a second, observability-mode ext_proc filter placed after
@@ -32,16 +38,22 @@ from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from .access_log import DEFAULT_SILENCE_SECS, AccessLogReceiver, AwaitingLog
 from .grpc_tls import CertificateFiles
 from .health import HealthService
+from .metrics import EppMetrics
 from .protocol import (
+    ANSWER_ENDS_BY_ACCESS_LOG,
+    ANSWER_ENDS_METADATA,
     DESTINATION_HEADER,
     DESTINATION_NAMESPACE,
+    ENGINE_HEADER,
     GATEWAY_HEADER_PREFIX,
     SERVED_KEY,
     SUBSET_KEY,
@@ -59,6 +71,7 @@ log = logging.getLogger(__name__)
 MAX_CHUNK = 62_000  # the largest body chunk re-sent to Envoy (as GIE's EPP)
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _NO_BODY = 0  # ProcessingMode.BodySendMode.NONE
+_STREAMED = 1  # ProcessingMode.BodySendMode.STREAMED: each chunk answered, unchanged or replaced
 
 
 # -- protobuf helpers ----------------------------------------------------------------------------
@@ -96,10 +109,6 @@ def _streamed_body(data: bytes, end_of_stream: bool, *, request: bool) -> pb.Pro
         )
     )
     return pb.ProcessingResponse(request_body=body) if request else pb.ProcessingResponse(response_body=body)
-
-
-ENGINE_HEADER = "x-dynamo-lite-engine"
-"""Response header naming the engine (ip:port) that served the request."""
 
 
 def immediate_response(status: int, message: str, headers: dict[str, str] | None = None,
@@ -186,6 +195,11 @@ class _Tracked:
             self.ended = True
             self._call("end", reason)
 
+    def unobserved(self) -> None:
+        # Optional in RequestTracker: a tracker without it just sees no more chunks.
+        if not self.ended and hasattr(self.tracker, "unobserved"):
+            self._call("unobserved")
+
 
 # -- one stream ----------------------------------------------------------------------------------
 
@@ -193,10 +207,13 @@ class _Tracked:
 class _Stream:
     """The state of one `Process` stream (one HTTP request)."""
 
-    def __init__(self, picker: Picker, live: dict[str, _Tracked]):
+    def __init__(self, picker: Picker, live: dict[str, _Tracked], awaiting: AwaitingLog | None = None):
         self.picker = picker
         self.live = live
+        self.awaiting = awaiting  # not None: the access log reports the answer's end (see the module docstring)
+        self.handed_over = False  # the answer's end was handed to the access log: the stream is done
         self.headers: pb.HttpHeaders | None = None
+        self.header_dict: dict[str, str] = {}
         self.metadata = base_pb2.Metadata()
         self.request_id = ""
         self.body = bytearray()
@@ -236,12 +253,8 @@ class _Stream:
     async def _request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         self.headers = msg.request_headers
         self.metadata = msg.metadata_context
-        for key, value in _header_items(msg.request_headers.headers):
-            if key == "x-request-id" and value:
-                self.request_id = value
-                break
-        if not self.request_id:
-            self.request_id = uuid.uuid4().hex
+        self.header_dict = _header_dict(msg.request_headers.headers)  # read once: the pick reads it again
+        self.request_id = self.header_dict.get("x-request-id") or uuid.uuid4().hex
         if msg.observability_mode:
             self._attach()
             return []
@@ -296,7 +309,7 @@ class _Stream:
         pseudo: dict[str, str] = {}
         headers: dict[str, str] = {}
         client_gateway: list[str] = []
-        for key, value in _header_dict(self.headers.headers).items():
+        for key, value in self.header_dict.items():
             if key.startswith(":"):
                 pseudo[key] = value
             elif key.startswith(GATEWAY_HEADER_PREFIX):
@@ -345,7 +358,7 @@ class _Stream:
         # No content-length: with a full-duplex streamed body Envoy 1.40 removes it (whatever is
         # set here) and sends the body upstream with transfer-encoding: chunked.
         metadata = struct_pb2.Struct()
-        metadata.update({DESTINATION_NAMESPACE: {DESTINATION_HEADER: destination}})
+        metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destination
         replies = [
             pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(
@@ -403,18 +416,53 @@ class _Stream:
 
     def _response_body(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         chunk = msg.response_body
-        reply = _streamed_body(chunk.body, chunk.end_of_stream, request=False)
-        if self.tracked is not None:
-            self.tracked.response_chunk(chunk.body)
+        streamed = self.response_body_mode == _STREAMED
+        # STREAMED: Envoy holds each chunk for an answer; an empty one passes it on unchanged.
+        unchanged = pb.ProcessingResponse(response_body=pb.BodyResponse())
+        tracked = self.tracked
+        if streamed and self.awaiting is not None and (chunk.body or chunk.end_of_stream):
+            # The first token is out (or the whole answer, a short one): the log tells how it
+            # ends (its status too: this filter sees no response headers). Handed over before
+            # the stream closes, so no log entry for it can arrive first.
+            if tracked is not None:
+                tracked.response_chunk(chunk.body)
+            self._hand_over(first_token=not chunk.end_of_stream)
+            # Mid-answer the stream closes unanswered: a server's OK close ends Envoy's
+            # processing, and Envoy passes the chunks it holds on unchanged, this one first
+            # (Envoy 1.40; tests/test_epp_protocol.py checks every byte). One message saved.
+            return [unchanged] if chunk.end_of_stream else []
+        if tracked is not None:
+            tracked.response_chunk(chunk.body)
             if chunk.end_of_stream:
-                self.tracked.end("complete")
-        return [reply]
+                tracked.end("complete")
+        if streamed:
+            return [unchanged]
+        return [_streamed_body(chunk.body, chunk.end_of_stream, request=False)]
+
+    def _hand_over(self, *, first_token: bool) -> None:
+        """From here the access log reports how the request ends; after the first token the
+        tracker no longer sees the answer (`unobserved`)."""
+        assert self.awaiting is not None
+        self.handed_over = True
+        tracked = self.tracked
+        if tracked is None or tracked.ended:
+            return
+        if self.live.get(self.request_id) is tracked:
+            del self.live[self.request_id]
+        if first_token:
+            tracked.unobserved()
+        self.awaiting.hand_over(self.request_id, tracked)
 
     def close(self, reason: str, *, handoff: float) -> None:
         """The stream is over: ended by Envoy (half-closed, or reset: Envoy 1.40 half-closes also
         when the client hangs up, and may reset right after), or by our own failure ("error")."""
         tracked = self.tracked
-        if tracked is None:
+        if tracked is None or self.handed_over:
+            return
+        if self.awaiting is not None and reason != "error" and not tracked.ended:
+            # The stream closed before the first chunk (a client gone during the prefill, an
+            # answer without body): the access log still says how the request ended.
+            self._hand_over(first_token=False)
             return
         if not self.owner:
             tracked.observers -= 1
@@ -451,17 +499,20 @@ class _Stream:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """`envoy.service.ext_proc.v3.ExternalProcessor`, asking `picker` where each request goes."""
 
-    def __init__(self, picker: Picker, *, handoff_timeout: float = 5.0):
+    def __init__(self, picker: Picker, *, handoff_timeout: float = 5.0, awaiting: AwaitingLog | None = None):
         """`handoff_timeout`: how long the tracker of a stream that Envoy closed before the answer
-        ended waits for an observability-mode stream to take it over (then: "cancelled")."""
+        ended waits for an observability-mode stream to take it over (then: "cancelled").
+        `awaiting`: where streams whose end the access log reports hand their tracker (None:
+        such streams are relayed to their end like any other)."""
         self.picker = picker
         self.handoff_timeout = handoff_timeout
+        self.awaiting = awaiting
         self._live: dict[str, _Tracked] = {}  # request id → the tracker of its pick, while it lasts
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = _Stream(self.picker, self._live)
+        stream = _Stream(self.picker, self._live, self.awaiting if self._ends_by_log(context) else None)
         reason = "cancelled"
         try:
             async for msg in request_iterator:
@@ -474,17 +525,25 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if not msg.observability_mode:
                     for reply in replies:
                         yield reply
-                if stream.finished:
-                    break
+                if stream.finished or stream.handed_over:
+                    break  # returning closes the stream (gRPC OK): Envoy goes on without it
         finally:
             stream.close(reason, handoff=self.handoff_timeout)
+
+    def _ends_by_log(self, context: grpc.aio.ServicerContext) -> bool:
+        """Whether Envoy's filter announced that its access log reports this answer's end."""
+        if self.awaiting is None:
+            return False
+        return any(key == ANSWER_ENDS_METADATA and value == ANSWER_ENDS_BY_ACCESS_LOG
+                   for key, value in context.invocation_metadata() or ())
 
 
 # -- the server ----------------------------------------------------------------------------------
 
 
 class EppServer:
-    """The gRPC server: the ext_proc service and gRPC health on one port."""
+    """The gRPC server: the ext_proc service, the access log service (answers' ends) and gRPC
+    health on one port."""
 
     def __init__(
         self,
@@ -496,8 +555,12 @@ class EppServer:
         key: str | bytes | None = None,
         client_ca: str | bytes | None = None,
         ready: Callable[[], bool] = lambda: True,
+        access_log_silence_secs: float = DEFAULT_SILENCE_SECS,
+        metrics: EppMetrics | None = None,
     ):
-        self.processor = ExternalProcessor(picker)
+        self.awaiting = AwaitingLog(access_log_silence_secs, metrics)
+        self.processor = ExternalProcessor(picker, awaiting=self.awaiting)
+        self.access_log = AccessLogReceiver(self.awaiting, metrics)
         self.health = HealthService(ready)
         self.host, self.port = host, port
         self._cert, self._key, self._client_ca = cert, key, client_ca
@@ -524,6 +587,7 @@ class EppServer:
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, server)
         self.health.add_to_server(server)
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         address = f"{host}:{self.port}"
@@ -542,6 +606,7 @@ class EppServer:
         self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
+        self.awaiting.close()
 
     async def wait_for_termination(self) -> None:
         if self.server is not None:
@@ -565,7 +630,8 @@ async def serve(
     client_ca: str | bytes | None = None,
     ready: Callable[[], bool] = lambda: True,
 ) -> EppServer:
-    """Start the endpoint picker's gRPC server (ext_proc + health); `port=0` picks a free one.
+    """Start the endpoint picker's gRPC server (ext_proc, Envoy's access log service, health);
+    `port=0` picks a free one.
 
     `cert`/`key` (PEM paths or bytes) turn TLS on; given as paths, the files are read again when
     they change. `client_ca` (PEM) makes callers present a certificate it signed (mutual TLS).

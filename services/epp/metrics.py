@@ -34,6 +34,16 @@ class EppMetrics:
         self.in_flight = Gauge(prefix + "requests_in_flight", "picked requests whose answer has not ended",
                                registry=registry)
         self.ends = Counter(prefix + "request_ends", "picked requests ended, by how", ["reason"], registry=registry)
+        self.awaiting_log = Gauge(
+            prefix + "answers_awaiting_access_log", "answers handed back to Envoy after their first chunk whose end "
+            "the access log has not reported yet", registry=registry)
+        self.access_log_entries = Counter(
+            prefix + "access_log_entries", "Envoy access log entries received: ended (an answer handed over), alive "
+            "(a periodic entry of one still running), not_awaited (any other request)", ["outcome"],
+            registry=registry)
+        self.output_estimates = Counter(
+            prefix + "output_estimates", "estimates of the output of answers the picker no longer sees (the "
+            "access-log configuration), one per answer and estimator pass", registry=registry)
 
 
 __all__ = ["EppMetrics", "PICK_BUCKETS"]

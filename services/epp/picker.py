@@ -19,7 +19,9 @@ Per request (`KvPicker.pick`):
    one has room, or is refused with 429 and `x-dynamo-lite-dropped-reason`;
 5. the pick and its fallbacks (the next cheapest ranks) go back to the gateway; the request is
    booked (`booking.Booking`), and the scheduler learns from its first token (the engine's
-   speed) and its end (the blocks its answer wrote).
+   speed) and its end (the blocks its answer wrote). An answer the gateway stops showing after
+   its first chunk (the access-log configuration) has its output re-estimated every
+   `output_estimate_secs` from its engine's decode step.
 
 Degraded, never down: the indexer away → pick by load alone; the slot tracker away → by
 overlap and this picker's own in-flight counts; both → round robin. Each is counted and logged
@@ -73,6 +75,7 @@ DEFAULT_SESSION_HEADER = "x-session-id"
 DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
 DEFAULT_FALLBACKS = 2
 LOAD_REFRESH_SECS = 0.05  # while requests wait in the queue, how often the loads are re-read
+DEFAULT_OUTPUT_ESTIMATE_SECS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,18 @@ class PickerSettings:
     max_prompt_tokens: int | None = None
     fallbacks: int = DEFAULT_FALLBACKS
     seed: int | None = None
+    # How often the output of answers the gateway no longer shows (the access-log configuration)
+    # is re-estimated, and so how often each sends /output_blocks while its estimate grows.
+    output_estimate_secs: float = DEFAULT_OUTPUT_ESTIMATE_SECS
+
+
+def max_output_tokens(data: dict[str, Any]) -> int | None:
+    """The request's cap on its answer (`max_completion_tokens`, else `max_tokens`); None: none."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 class _Streak:
@@ -147,6 +162,8 @@ class KvPicker:
         self._queue = AdmissionQueue(RequestQueue(settings.queue_policy, settings.queue_max_size), self._has_capacity)
         self._refresher: asyncio.Task[None] | None = None
         self._settling: set[asyncio.Task[None]] = set()  # ended bookings whose calls are still going out
+        self._unobserved: set[Booking] = set()  # answers whose output is estimated, not counted
+        self._estimator: asyncio.Task[None] | None = None
         self.pool: list[PoolEndpoint] = []
         self._by_rank: dict[RankKey, PoolEndpoint] = {}
         self.set_pool(pool)
@@ -216,8 +233,9 @@ class KvPicker:
 
     async def aclose(self) -> None:
         self._queue.close()
-        if self._refresher is not None:
-            self._refresher.cancel()
+        for task in (self._refresher, self._estimator):
+            if task is not None:
+                task.cancel()
         await self.prompts.aclose()
 
     # --- the pick ----------------------------------------------------------------------------
@@ -281,7 +299,7 @@ class KvPicker:
             # take an endpoint from under a decision made with it.
             by_rank = {endpoint.rank_key: endpoint for endpoint in candidates}
             return self._book(request, tenant, ordered, by_rank, signed_seq, signed_local, isl, block_size, outcome,
-                              selection, scheduling)
+                              selection, scheduling, max_output_tokens(data))
         finally:
             if queued:
                 # Booked (or refused): the queue may release the next request.
@@ -445,7 +463,8 @@ class KvPicker:
 
     def _book(self, request: RequestInfo, tenant: str, ordered: list[RankCost],
               by_rank: dict[tuple[int, int], PoolEndpoint], seq: list[int], local: list[int], isl: int,
-              block_size: int, outcome: str, selection: Selection, scheduling: SchedulingRequest) -> Pick:
+              block_size: int, outcome: str, selection: Selection, scheduling: SchedulingRequest,
+              max_output: int | None) -> Pick:
         chosen = ordered[0]
         self.scheduler.booked(selection, scheduling, self._infos, rank=chosen.key)
         picked_at = time.monotonic()
@@ -469,6 +488,7 @@ class KvPicker:
             sequence_hashes=seq, new_prefill_tokens=max(isl - chosen.cached_tokens, 0), block_size=block_size,
             on_end=lambda: self._ended(request_id),
             on_prefilled=lambda: self._first_token(booking, chosen, picked_at),
+            max_output_tokens=max_output, on_unobserved=self._estimate_from_now,
         )
         self.bookings[request_id] = booking
         if endpoint.kv_events_endpoint is None and outcome in ("kv", "overlap_only"):
@@ -482,9 +502,9 @@ class KvPicker:
             "x-dynamo-routing-mode": outcome,
             "x-request-id": request_id,
         }
-        logger.debug("request %s -> %s (%s)", request_id, endpoint.address,
-                     chosen.formula(),
-                     extra={"fields": {"request_id": request_id, "endpoint": endpoint.address, "outcome": outcome}})
+        if logger.isEnabledFor(logging.DEBUG):  # the formula is costly to write: only when it is logged
+            logger.debug("request %s -> %s (%s)", request_id, endpoint.address, chosen.formula(),
+                         extra={"fields": {"request_id": request_id, "endpoint": endpoint.address, "outcome": outcome}})
         return Pick(endpoints=addresses, headers=headers, tracker=booking)
 
     async def _record(self, endpoint: PoolEndpoint, local: list[int], tenant: str) -> None:
@@ -502,14 +522,44 @@ class KvPicker:
         if booking.target.rank == chosen.key:
             self.scheduler.first_token(chosen, time.monotonic() - picked_at)
 
+    # --- answers the gateway no longer shows: their output estimated -------------------------
+
+    def _estimate_from_now(self, booking: Booking) -> None:
+        self._unobserved.add(booking)
+        if self._estimator is None or self._estimator.done():
+            self._estimator = asyncio.get_running_loop().create_task(self._estimate_outputs(), name="output-estimates")
+
+    def _decode_step(self, rank: RankKey) -> float:
+        """Seconds per token on `rank` now: its decode step as the scheduler has learned it, with
+        the requests this picker runs there."""
+        return self.scheduler.rates.timing(rank).decode_step_seconds(max(1, self.in_flight.get(rank).requests))
+
+    async def _estimate_outputs(self) -> None:
+        """Every `output_estimate_secs`, book each unobserved answer's output as estimated for the
+        middle of the coming interval: the booked count is then as often above as below the
+        answer's true output, and never by more than half an interval's tokens."""
+        interval = self.settings.output_estimate_secs
+        while self._unobserved:
+            await asyncio.sleep(interval)
+            at = time.monotonic() + interval / 2
+            for booking in list(self._unobserved):
+                booking.estimate_output(at, self._decode_step(booking.target.rank))
+            self.metrics.output_estimates.inc(len(self._unobserved))
+
     def _ended(self, request_id: str) -> None:
         booking = self.bookings.pop(request_id, None)
         self._queue.poke()
         if booking is not None:
-            self.scheduler.ended(booking.target.rank, booking.output_tokens, booking.block_size)
-            task = asyncio.get_running_loop().create_task(booking.settled())
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
+            tokens = booking.output_tokens
+            if booking in self._unobserved:
+                self._unobserved.discard(booking)
+                tokens = booking.estimated_tokens(time.monotonic(), self._decode_step(booking.target.rank))
+            self.scheduler.ended(booking.target.rank, tokens, booking.block_size)
+            # Its calls go out in one chain, /free last: that task done, the booking is settled.
+            task = booking.last_call
+            if task is not None and not task.done():
+                self._settling.add(task)
+                task.add_done_callback(self._settling.discard)
 
     async def settle(self) -> None:
         """End every booking still open (shutdown) and wait for all their calls (`/free`)."""
@@ -519,4 +569,5 @@ class KvPicker:
             await asyncio.gather(*list(self._settling), return_exceptions=True)
 
 
-__all__ = ["DEFAULT_MAX_PROMPT_TOKENS", "DROPPED_REASON_HEADER", "KvPicker", "PickerSettings"]
+__all__ = ["DEFAULT_MAX_PROMPT_TOKENS", "DEFAULT_OUTPUT_ESTIMATE_SECS", "DROPPED_REASON_HEADER", "KvPicker",
+           "PickerSettings", "max_output_tokens"]

@@ -18,8 +18,15 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 DESTINATION_NAMESPACE = "envoy.lb"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 GATEWAY_HEADER_PREFIX = "x-gateway-"
+ENGINE_HEADER = "x-dynamo-lite-engine"  # response header naming the engine (ip:port) that served the request
+# gRPC initial metadata of an ext_proc stream whose answer's end Envoy reports in its gRPC access
+# log (envoy_config.access_log_ends): the picker hands such a stream back after the answer's
+# first chunk and learns the end from the log.
+ANSWER_ENDS_METADATA = "x-dynamo-lite-answer-ends"
+ANSWER_ENDS_BY_ACCESS_LOG = "access-log"
 
-END_REASONS = ("complete", "trailers", "cancelled", "error")
+# "lost": the access log never reported the end of an answer handed over to it.
+END_REASONS = ("complete", "trailers", "cancelled", "error", "lost")
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,13 @@ class RequestTracker(Protocol):
     def response_chunk(self, data: bytes) -> None: ...
 
     # Exactly once per picked request: "complete" (response end_of_stream), "trailers",
-    # "cancelled" (stream broken/cancelled by Envoy or client), "error" (picker-side failure).
+    # "cancelled" (stream broken/cancelled by Envoy or client), "error" (picker-side failure),
+    # "lost" (handed to the access log, which never reported the end).
     def end(self, reason: str) -> None: ...
+
+    # Optional (looked up, not required): from now on no response chunk is reported, the end
+    # still is (the access log reports it); output the tracker counts must be estimated.
+    # def unobserved(self) -> None: ...
 
 
 @dataclass
