@@ -57,6 +57,9 @@ ENV = {"reference": {"DYN_LOG": "warn"}}
 # booked, 128 per worker.
 LAG = 1024
 SYNC_TIMEOUT_S = 300.0
+# Delete passes over a run's leftover reservations, and the wait between them.
+LEFTOVER_ATTEMPTS = 4
+LEFTOVER_RETRY_S = 0.25
 JSON = {"Content-Type": "application/json"}
 
 
@@ -224,15 +227,22 @@ def route_latencies(text: str) -> dict[str, dict[str, float]]:
 
 def _free_leftovers(results: Results, scenario: str, server: Server, run_id: str, result: WrkResult) -> None:
     """Delete the reservations a wrk run left booked (its last 2 x LAG selections, whose DELETE
-    it never sent), then check that none is left."""
+    it never sent), then check that none is left. A selection wrk sent just before it closed its
+    connections may be booked after its DELETE (a loaded server, the reference's worker threads,
+    answer it late): the deletes are sent again while some are left, a few times."""
     steps = int(result.extra.get("steps", -1))
     if steps < 0:
         raise RuntimeError(f"{scenario}: the wrk run {run_id} did not report its steps")
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        for step in range(max(0, steps - 2 * LAG - 1), steps + 1):
-            client.delete(f"/reservations/{run_id}-{step}")
-        loads = _expect(client.get("/loads", params={"model_name": MODEL}), 200).json()
-    left = _active_requests(loads)
+        for attempt in range(LEFTOVER_ATTEMPTS):
+            if attempt:
+                time.sleep(LEFTOVER_RETRY_S)
+            for step in range(max(0, steps - 2 * LAG - 1), steps + 1):
+                client.delete(f"/reservations/{run_id}-{step}")
+            loads = _expect(client.get("/loads", params={"model_name": MODEL}), 200).json()
+            left = _active_requests(loads)
+            if not left:
+                break
     if left:
         results.note(f"{scenario} {server.role}: {left} reservations still booked after run {run_id} was cleared")
 
