@@ -1,4 +1,4 @@
-"""Run the whole benchmark suite and write bench/RESULTS.md (about 30 minutes).
+"""Run the whole benchmark suite and write bench/RESULTS.md (about 40 minutes).
 
     python -m bench                      # everything: bench/RESULTS.md, bench/results.json, bench/profiles/
     python -m bench --quick              # smoke run of every path (a few minutes), into a temp dir
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import cores, indexer_http, memory, report, security, slot_tracker_http, zmq_ingest
+from . import cores, indexer_http, memory, report, security, select_service_http, slot_tracker_http, zmq_ingest
 from .runner import Results, Settings, machine_facts, progress
 from .servers import CLIENT_CPU, SERVER_CPU, pin_to_client_cpu, reference_python
 from .wrk import ensure_wrk
@@ -44,12 +44,16 @@ SCENARIOS = {
     "cores": "the pure cores' hot paths in microseconds (bench/cores.py), on the server CPU",
     "security": "the API key check per request (in process) and TLS on /potential_loads and /query_by_hash "
                 "(bench/security.py)",
+    "select_lifecycle": "selection service /select_and_reserve -> prefill_complete -> output_block -> DELETE, "
+                        "16 workers fed by engines, 4,096-token prompts as token_ids; per-route p50 at c=1",
+    "select_lifecycle_hashes": "the same with the prompts in hash form (block_hashes, sequence_hashes, isl_tokens)",
 }
 GROUPS = {
     "slot_tracker": ("health", "loads", "potential_loads", "lifecycle"),
     "indexer": ("query_by_hash", "index_memory", "events", "zmq_ingest", "query_while_ingesting", "ingest_pauses"),
     "scaling": ("scale_potential_loads", "scale_query_by_hash", "index_memory", "slot_tracker_memory"),
     "memory": ("index_memory", "slot_tracker_memory"),
+    "select_service": ("select_lifecycle", "select_lifecycle_hashes"),
 }
 
 
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slot_tracker_http.run(results, args.selected, ref_python)
         indexer_http.run(results, args.selected, ref_python)
+        select_service_http.run(results, args.selected, ref_python)
         zmq_ingest.run(results, args.selected, ref_python)
         memory.run(results, args.selected, ref_python)
         cores.run(results, args.selected)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,13 +92,18 @@ def query_body(model: str, locals_: list[int]) -> bytes:
     return orjson.dumps({"model_name": model, "block_hashes": [to_signed(h) for h in locals_]})
 
 
+BlockTokens = Callable[[int, int], list[int]]  # (hash id, position) -> the block's token ids
+
+
 class TraceFill:
     """Yields the events that build the trace's tree, resumable: `events(target)` continues
-    until `pairs` (indexed (block, worker) pairs) reaches `target`."""
+    until `pairs` (indexed (block, worker) pairs) reaches `target`. `tokens` derives each
+    block's token ids (`block_tokens` unless said)."""
 
-    def __init__(self, trace: list[list[int]], workers: int = WORKERS) -> None:
+    def __init__(self, trace: list[list[int]], workers: int = WORKERS, tokens: BlockTokens | None = None) -> None:
         self.trace = trace
         self.workers = workers
+        self.tokens = tokens or block_tokens
         self.pairs = 0
         self._next_request = 0
         self._held: list[set[int]] = [set() for _ in range(workers)]  # hash ids, always whole
@@ -131,7 +136,7 @@ class TraceFill:
             held.update(ids)
 
     def _store(self, worker_index: int, parent: int | None, ids: list[int]) -> Iterator[StoredEvent]:
-        tokens = [t for hash_id in ids for p in range(BLOCKS_PER_ID) for t in block_tokens(hash_id, p)]
+        tokens = [t for hash_id in ids for p in range(BLOCKS_PER_ID) for t in self.tokens(hash_id, p)]
         exts, locals_ = _chain(parent, tokens)
         for index, hash_id in enumerate(ids):
             self._last_ext[hash_id] = exts[(index + 1) * BLOCKS_PER_ID - 1]

@@ -17,7 +17,7 @@ from typing import Any
 
 from .runner import Load, Results, progress
 from .servers import CLIENT_CPU, Server
-from .wrk import WrkError, run_wrk
+from .wrk import WrkError, WrkResult, run_wrk
 
 PROFILE_RATE_HZ = 200
 TOP = 15
@@ -34,11 +34,13 @@ def py_spy() -> str | None:
 
 
 def profile_ours(results: Results, scenario: str, server: Server, load: Load, connections: int,
-                 duration_s: float) -> None:
+                 duration_s: float) -> WrkResult | None:
+    """Profile `server` during one wrk run of `load`; that run's result (None when it did not
+    run: no py-spy, or wrk failed)."""
     binary = py_spy()
     if binary is None:
         results.note(f"profile of {scenario} skipped: py-spy is not installed (pip install py-spy)")
-        return
+        return None
     out_dir = Path(results.meta["output_dir"]) / PROFILE_DIR_NAME
     out_dir.mkdir(parents=True, exist_ok=True)
     seconds = max(1, round(duration_s))
@@ -70,7 +72,7 @@ def profile_ours(results: Results, scenario: str, server: Server, load: Load, co
     raw = outputs["raw"]
     if problems or not raw.exists():
         results.note(f"profile of {scenario} failed: {' | '.join(problems) or 'no output'}")
-        return
+        return result
     entry: dict[str, Any] = {
         "scenario": scenario,
         "connections": connections,
@@ -80,6 +82,7 @@ def profile_ours(results: Results, scenario: str, server: Server, load: Load, co
         **top_functions(raw.read_text()),
     }
     results.profiles.append(entry)
+    return result
 
 
 def _function(frame: str) -> str:

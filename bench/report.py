@@ -41,6 +41,15 @@ CORE_TARGETS_US = {
     "API key check per request (keyed − open, native server, GET /loads)": 1.0,
 }
 INGEST_LATENCY_TARGET = 1.3  # /query_by_hash p50 while engines publish ÷ idle p50
+# Issue 37: the selection service's lifecycle mix per core, ours ÷ Dynamo's at c=64 in the same
+# run, and /select_and_reserve's own p50 at c=1 (4,096-token prompt, 16 workers).
+SELECT_REFERENCE_TARGET = 0.8
+SELECT_P50_TARGET_MS = 0.3
+SELECT_ROUTE = "select_and_reserve"
+# Scenario -> how its prompts travel; the first is the issue's, judged even when not measured.
+SELECT_SCENARIOS = {"select_lifecycle": "token_ids", "select_lifecycle_hashes": "hash form"}
+SELECT_OURS = {"ours": "--cost dynamo", "ours_ttft": "default cost"}
+SELECT_ROLES = (*SELECT_OURS, "reference", "stub")
 ZMQ_DETAIL_PREFIX = "ZMQ"
 
 TITLES = {
@@ -158,6 +167,7 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         value = cores.get(name)
         rows.append((f"core: {name} ≤ {limit_us:g} µs", "—" if value is None else f"{value:.1f} µs",
                      _verdict(value, limit_us, higher_is_better=False)))
+    rows.extend(_select_targets(table))
     if data.get("pauses"):
         rows.append(_pause_target(data["pauses"]))
     idle, busy = _ingest_latency(table, "ours")
@@ -166,6 +176,37 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append((f"`/query_by_hash` p50 at c=1 while engines publish ≤ {INGEST_LATENCY_TARGET}× idle ({busy[0]})",
                      f"{_fmt_ratio(ratio)} ({_fmt_ms(busy[1])} vs {_fmt_ms(idle[1])} ms)",
                      _verdict(ratio, INGEST_LATENCY_TARGET, higher_is_better=False)))
+    return rows
+
+
+def select_p50_ms(table: Table, scenario: str, role: str, route: str = SELECT_ROUTE) -> float | None:
+    """The median over repetitions of one route's p50 at c=1 (timed by the Lua script per
+    route, in the run's `extra`), in ms."""
+    values = [run["extra"]["routes"][route]["p50_us"] / 1000 for run in table.select(scenario, role, 1)
+              if route in run.get("extra", {}).get("routes", {})]
+    return statistics.median(values) if values else None
+
+
+def _select_targets(table: Table) -> list[tuple[str, str, str]]:
+    rows: list[tuple[str, str, str]] = []
+    for index, (scenario, form) in enumerate(SELECT_SCENARIOS.items()):
+        if index and not table.select(scenario, "ours", 64):
+            continue
+        reference = table.median_rps(scenario, "reference", 64)
+        for role, cost in SELECT_OURS.items():
+            ours = table.median_rps(scenario, role, 64)
+            ratio = _ratio(ours, reference)
+            measured = "—" if ratio is None else f"{_fmt_ratio(ratio)} ({ours:,.0f} vs {reference:,.0f} req/s)"
+            rows.append((f"selection lifecycle per core ({form}, ours {cost}): ≥ {SELECT_REFERENCE_TARGET}× the "
+                         "reference (c=64)", measured, _verdict(ratio, SELECT_REFERENCE_TARGET)))
+        for role, cost in SELECT_OURS.items():
+            p50 = select_p50_ms(table, scenario, role)
+            reference_p50 = select_p50_ms(table, scenario, "reference")
+            measured = "—" if p50 is None else (f"{p50:.3f} ms" + (f" (reference {reference_p50:.3f} ms)"
+                                                                  if reference_p50 is not None else ""))
+            rows.append((f"`/select_and_reserve` p50 at c=1, 4,096 tokens ({form}), 16 workers, ours {cost}: "
+                         f"≤ {SELECT_P50_TARGET_MS} ms", measured,
+                         _verdict(p50, SELECT_P50_TARGET_MS, higher_is_better=False)))
     return rows
 
 
@@ -295,6 +336,7 @@ def render(data: dict[str, Any]) -> str:
         "its `/add` by 2,048 lifecycles and each `/free` by 4,096, so up to ~4,096 requests are active. "
         "`/health` has no state.\n")
 
+    _select_section(add, data, table)
     _scaling_section(add, table)
     _ingest_section(add, data)
     _ingest_latency_section(add, table)
@@ -315,6 +357,55 @@ def render(data: dict[str, Any]) -> str:
     add("Raw numbers of every wrk run: [`results.json`](results.json). Reproduce: "
         "`python -m bench` (about 30 min; `python -m bench --help`).")
     return "\n".join(out) + "\n"
+
+
+def _select_section(add: Callable[[str], None], data: dict[str, Any], table: Table) -> None:
+    scenarios = {scenario: form for scenario, form in SELECT_SCENARIOS.items() if table.labels(scenario)}
+    if not scenarios:
+        return
+    add("## Selection service: `/select_and_reserve` and the reservation lifecycle (16 workers, 4,096-token "
+        "prompts)\n")
+    add("| prompts as | c | ours --cost dynamo req/s | ours default cost req/s | reference req/s | stub req/s "
+        "| ours ÷ reference (dynamo / default) | ours ÷ stub (dynamo) |")
+    add("|---|---|---|---|---|---|---|---|")
+    for scenario, form in scenarios.items():
+        for conns in (1, 64):
+            if not table.select(scenario, "ours", conns):
+                continue
+            med = {role: table.median_rps(scenario, role, conns) for role in SELECT_ROLES}
+            rates = " | ".join(_fmt_rate(table.rps(scenario, role, conns)) for role in SELECT_ROLES)
+            add(f"| {form} | {conns} | {rates} | {_fmt_ratio(_ratio(med['ours'], med['reference']))} / "
+                f"{_fmt_ratio(_ratio(med['ours_ttft'], med['reference']))} "
+                f"| {_fmt_ratio(_ratio(med['ours'], med['stub']))} |")
+    add("")
+    add("Requests per second of the whole mix: per selection, `POST /select_and_reserve`, "
+        "`POST /reservations/{id}/prefill_complete` (no body), `POST /reservations/{id}/output_block` (`{}`) and "
+        "`DELETE /reservations/{id}`, 4 requests (bench/lua/select_lifecycle.lua).\n")
+    add("Each route's latency at one connection, p50 (p90) in ms, median over repetitions:\n")
+    add("| prompts as | route | ours --cost dynamo | ours default cost | reference | stub |")
+    add("|---|---|---|---|---|---|")
+    for scenario, form in scenarios.items():
+        for route in (SELECT_ROUTE, "prefill_complete", "output_block", "free"):
+            cells = []
+            for role in SELECT_ROLES:
+                p50 = select_p50_ms(table, scenario, role, route)
+                runs = [run["extra"]["routes"][route]["p90_us"] / 1000 for run in table.select(scenario, role, 1)
+                        if route in run.get("extra", {}).get("routes", {})]
+                cells.append("—" if p50 is None else f"{p50:.3f} ({statistics.median(runs):.3f})")
+            add(f"| {form} | `{route}` | {' | '.join(cells)} |")
+    add("")
+    state = data["meta"].get("select_service", {})
+    cached = ", ".join(f"{tokens} tokens: {count}" for tokens, count in state.get("cached", {}).items())
+    add(f"State: 16 workers registered with `POST /workers`, each a vLLM engine publisher (`EnginePublisher`, "
+        f"`WireFormat.VLLM`) every server subscribed to; the engines published {state.get('pairs', 0):,} (block, "
+        f"worker) pairs, the prompts of the Mooncake conversation trace's first {state.get('trace_requests', 0):,} "
+        f"requests (round-robin), before the first run. The {state.get('prompts', 0)} prompts are the first 4,096 "
+        f"tokens of the requests that follow; the best worker caches, of a prompt (prompts): {cached or '—'}. "
+        "Ours --cost dynamo and the reference pick alike (tests/test_select_service_differential.py). Each "
+        "selection's prefill_complete and output_block trail it by 1,024 selections, its DELETE by 2,048, so "
+        "~2,048 reservations stay booked; the suite deletes what a run leaves booked after it. The reference "
+        "runs with `DYN_LOG=warn` (at its default level it logs a line per selection). The stub decodes each "
+        "body and answers ours' bytes.\n")
 
 
 def _scaling_section(add: Callable[[str], None], table: Table) -> None:

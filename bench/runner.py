@@ -97,6 +97,7 @@ class Load:
 # (role, run id) -> the load; a run id is unique per wrk run, warm-ups included.
 LoadFor = Callable[[str, str], Load]
 Prepare = Callable[[str, float], None]  # (role, seconds the next warm-up + run will take)
+Finished = Callable[[str, str, WrkResult], None]  # (role, run id, result) after each wrk run, warm-ups too
 
 
 def measure_point(
@@ -109,8 +110,10 @@ def measure_point(
     repetitions: int,
     load_for: LoadFor,
     prepare: Prepare | None = None,
+    finished: Finished | None = None,
 ) -> None:
-    """Warm-up, then one measured wrk run, for every repetition x connections x role."""
+    """Warm-up, then one measured wrk run, for every repetition x connections x role.
+    `finished` sees every run's result, a warm-up's too (e.g. to clear the state it left)."""
     settings = results.settings
     for rep in range(1, repetitions + 1):
         for conns in connections:
@@ -121,8 +124,12 @@ def measure_point(
                 run_id = f"{scenario}-{role}-r{rep}-c{conns}-{time.monotonic_ns()}"
                 try:
                     if settings.warmup_s > 0:
-                        _wrk(server, load_for(role, run_id + "-warm"), conns, settings.warmup_s)
+                        warm = _wrk(server, load_for(role, run_id + "-warm"), conns, settings.warmup_s)
+                        if finished is not None:
+                            finished(role, run_id + "-warm", warm)
                     result = _wrk(server, load_for(role, run_id), conns, settings.duration_s)
+                    if finished is not None:
+                        finished(role, run_id, result)
                 except WrkError as exc:
                     results.note(f"{scenario} [{label}] c={conns} rep {rep} {role}: wrk failed: {exc}")
                     continue

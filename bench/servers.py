@@ -1,9 +1,11 @@
 """Starting the servers under test, each pinned to the server CPU, and reading their memory.
 
 Three servers per service: ours, Dynamo 1.6.1's (the reference, from its own venv) and the
-bare Starlette stub (bench/stub.py). Start-up, readiness (`GET /health`) and shutdown reuse the
-test suite's `running_server` and the reference venv its `reference_python` (which creates the
-venv on first use), so the suite and the tests run the reference the same way.
+bare Starlette stub (bench/stub.py); a role named `ours_<name>` is ours again with other flags
+(the selection service's default cost beside `--cost dynamo`). Start-up, readiness
+(`GET /health`) and shutdown reuse the test suite's `running_server` and the reference venv its
+`reference_python` (which creates the venv on first use), so the suite and the tests run the
+reference the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +26,13 @@ from support import reference_server  # noqa: E402  (tests/ is not a package; im
 SERVER_CPU = 0
 CLIENT_CPU = 1
 ROLES = ("ours", "reference", "stub")
-SERVICES = ("slot_tracker", "indexer")
+SERVICES = ("slot_tracker", "indexer", "select_service")
 
 
 @dataclass(frozen=True)
 class Server:
-    role: str  # "ours", "reference" or "stub"
-    service: str  # "slot_tracker" or "indexer"
+    role: str  # "ours" (or "ours_<name>"), "reference" or "stub"
+    service: str  # one of SERVICES
     url: str
     pid: int
 
@@ -61,7 +63,7 @@ def reference_python() -> Path:
 
 
 def argv_for(role: str, service: str, port: int, ref_python: Path) -> list[str]:
-    if role == "ours":
+    if role == "ours" or role.startswith("ours_"):
         return [sys.executable, "-m", f"dynamo_lite.{service}", "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning"]
     if role == "stub":
@@ -74,17 +76,23 @@ def argv_for(role: str, service: str, port: int, ref_python: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def running_servers(service: str, ref_python: Path, roles: tuple[str, ...] = ROLES) -> Iterator[dict[str, Server]]:
-    """All `roles` for `service`, each on a free port, pinned with `taskset -c SERVER_CPU`."""
+def running_servers(service: str, ref_python: Path, roles: tuple[str, ...] = ROLES, *,
+                    flags: Mapping[str, Sequence[str]] | None = None,
+                    env: Mapping[str, Mapping[str, str]] | None = None) -> Iterator[dict[str, Server]]:
+    """All `roles` for `service`, each on a free port, pinned with `taskset -c SERVER_CPU`;
+    `flags` and `env` add to a role's command line and environment."""
     # `python -m bench.stub` must import this checkout's bench/ whatever the working directory.
     stub_env = dict(os.environ, PYTHONPATH=str(TESTS_DIR.parent))
     with contextlib.ExitStack() as stack:
         servers: dict[str, Server] = {}
         for role in roles:
             port = reference_server.free_port()
-            argv = ["taskset", "-c", str(SERVER_CPU), *argv_for(role, service, port, ref_python)]
-            env = stub_env if role == "stub" else None
-            url = stack.enter_context(reference_server.running_server(argv, port, timeout=60, env=env))
+            argv = ["taskset", "-c", str(SERVER_CPU), *argv_for(role, service, port, ref_python),
+                    *(flags or {}).get(role, ())]
+            role_env: dict[str, str] | None = stub_env if role == "stub" else None
+            if env and role in env:
+                role_env = {**(role_env or os.environ), **env[role]}
+            url = stack.enter_context(reference_server.running_server(argv, port, timeout=60, env=role_env))
             # taskset execs the server, so the pid is the server's own.
             servers[role] = Server(role, service, str(url), url.process.pid)
         yield servers

@@ -3,7 +3,8 @@
 Every script is run with `lua/report.lua` appended, whose `done()` prints one
 `BENCH_RESULT {...}` JSON line with wrk's own counters (requests, errors by kind, latency
 percentiles in microseconds); `parse_wrk_output` reads that line, so nothing depends on the
-rounding of wrk's human-oriented text.
+rounding of wrk's human-oriented text. A script that knows more (how far its request sequence
+got, latencies per route) prints it as a `BENCH_EXTRA {...}` line, kept as `WrkResult.extra`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 LUA_DIR = Path(__file__).with_name("lua")
 RESULT_MARKER = "BENCH_RESULT "
+EXTRA_MARKER = "BENCH_EXTRA "
 # A point that ends this much later than asked means wrk or the server was stuck.
 _TIMEOUT_MARGIN_SECS = 30.0
 
@@ -36,6 +39,7 @@ class WrkResult:
     p90_us: float
     p99_us: float
     mean_us: float
+    extra: dict[str, Any] = field(default_factory=dict)  # the script's BENCH_EXTRA line, if any
 
     @property
     def rps(self) -> float:
@@ -45,8 +49,11 @@ class WrkResult:
     def errors(self) -> int:
         return self.connect_errors + self.read_errors + self.write_errors + self.status_errors + self.timeouts
 
-    def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "rps": self.rps, "errors": self.errors}
+    def as_dict(self) -> dict[str, Any]:
+        row: dict[str, Any] = {**asdict(self), "rps": self.rps, "errors": self.errors}
+        if not self.extra:
+            del row["extra"]
+        return row
 
 
 class WrkError(RuntimeError):
@@ -54,7 +61,12 @@ class WrkError(RuntimeError):
 
 
 def parse_wrk_output(text: str) -> WrkResult:
-    """The result line printed by lua/report.lua; WrkError when wrk did not print one."""
+    """The result line printed by lua/report.lua (and the script's extra line); WrkError when
+    wrk did not print one."""
+    extra: dict[str, Any] = {}
+    for line in text.splitlines():
+        if line.startswith(EXTRA_MARKER):
+            extra = json.loads(line[len(EXTRA_MARKER):])
     for line in text.splitlines():
         if line.startswith(RESULT_MARKER):
             raw = json.loads(line[len(RESULT_MARKER):])
@@ -71,6 +83,7 @@ def parse_wrk_output(text: str) -> WrkResult:
                 p90_us=float(raw["p90_us"]),
                 p99_us=float(raw["p99_us"]),
                 mean_us=float(raw["mean_us"]),
+                extra=extra,
             )
     raise WrkError(f"no {RESULT_MARKER.strip()} line in wrk output:\n{text[-2000:]}")
 

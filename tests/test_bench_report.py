@@ -180,3 +180,52 @@ def test_a_full_run_measures_the_key_check_and_tls_and_reports_both() -> None:
     assert "not" in slow[0][2].lower(), slow
     text = report.render(data)
     assert "## TLS on the heavy routes" in text and "| `/potential_loads` | 64 | 20,000 | 15,000 |" in text
+
+
+def test_a_script_s_extra_line_is_kept_with_the_result() -> None:
+    result = parse_wrk_output(WRK_OUTPUT + 'BENCH_EXTRA {"steps":12,"timed":true}\n')
+    assert result.extra == {"steps": 12, "timed": True}
+    assert result.as_dict()["extra"] == {"steps": 12, "timed": True}
+    assert "extra" not in parse_wrk_output(WRK_OUTPUT).as_dict()
+
+
+def test_select_route_latencies_are_nearest_rank_percentiles_per_route() -> None:
+    from bench.select_service_http import route_latencies
+
+    lines = [f"select_and_reserve {value}" for value in range(100, 0, -1)] + ["free 7.5", "free 2.5", ""]
+    summary = route_latencies("\n".join(lines))
+    assert summary["select_and_reserve"] == {"count": 100, "p50_us": 50.0, "p90_us": 90.0, "p99_us": 99.0}
+    assert summary["free"] == {"count": 2, "p50_us": 2.5, "p90_us": 7.5, "p99_us": 7.5}
+
+
+def test_select_targets_use_the_mix_at_64_and_the_selection_s_own_p50_at_1() -> None:
+    """Issue 37: ours ÷ the reference at c=64 (both costs), and /select_and_reserve's p50 at
+    c=1 from the per-route latencies, not the mix's."""
+    from bench.__main__ import parse_args
+
+    assert {"select_lifecycle", "select_lifecycle_hashes"} <= parse_args(["--only", "select_service"]).selected
+
+    def timed(role: str, select_us: float) -> dict:
+        run = _run("select_lifecycle", role, 1, 5000, p50_us=60, label="16 workers")
+        run["extra"] = {"steps": 10, "timed": True,
+                        "routes": {"select_and_reserve": {"count": 10, "p50_us": select_us, "p90_us": select_us,
+                                                          "p99_us": select_us},
+                                   "free": {"count": 10, "p50_us": 50, "p90_us": 50, "p99_us": 50}}}
+        return run
+
+    runs = [_run("select_lifecycle", role, 64, rps, label="16 workers")
+            for role, rps in (("ours", 9000), ("ours_ttft", 7000), ("reference", 10000), ("stub", 20000))]
+    runs += [timed("ours", 280), timed("ours_ttft", 350), timed("reference", 200)]
+    data = _data(runs=runs)
+    rows = {target.split(": ≥")[0].split(": ≤")[0]: (measured, verdict) for target, measured, verdict in
+            report.targets(data) if "select" in target}
+    assert rows["selection lifecycle per core (token_ids, ours --cost dynamo)"] == (
+        "0.90× (9,000 vs 10,000 req/s)", "**met**")
+    assert rows["selection lifecycle per core (token_ids, ours default cost)"][1] == "**not met**"
+    assert rows["`/select_and_reserve` p50 at c=1, 4,096 tokens (token_ids), 16 workers, ours --cost dynamo"] == (
+        "0.280 ms (reference 0.200 ms)", "**met**")
+    assert rows["`/select_and_reserve` p50 at c=1, 4,096 tokens (token_ids), 16 workers, ours default cost"][1] == \
+        "**not met**"
+    assert not any("hash form" in target for target in rows)  # not measured: no rows
+    assert "| token_ids | `select_and_reserve` | 0.280 (0.280) | 0.350 (0.350) | 0.200 (0.200) | — |" in \
+        report.render(data)

@@ -319,7 +319,7 @@ class SelectionCore:
         block_size = record.block_size
         assert block_size
         state = self.partitions.setdefault(record.partition, _PartitionState(block_size, bool(record.is_eagle)))
-        state.workers[record.worker_id] = record
+        state.set_worker(record)
         ranks = record.ranks()
         self.tracker.register(record.worker_id, model_name, routing_group, block_size, ranks.start, len(ranks))
         changes.track(record)
@@ -355,7 +355,7 @@ class SelectionCore:
         self._drop_bookings(doomed)
         self.scheduler.forget(doomed)
         state = self.partitions[record.partition]
-        state.workers.pop(record.worker_id, None)
+        state.drop_worker(record.worker_id)
         if not state.workers:
             del self.partitions[record.partition]
 
@@ -396,7 +396,7 @@ class SelectionCore:
             self.scheduler.forget(dropped)
         for rank in sorted(set(new.ranks()) - kept):
             self._index_rank(new, rank, new_endpoints[rank], changes)
-        self.partitions[new.partition].workers[new.worker_id] = new
+        self.partitions[new.partition].set_worker(new)
         self._capacity(new)
 
     def _rebook(self, reservations: Sequence[Reservation]) -> None:
@@ -638,7 +638,7 @@ class SelectionCore:
         if readings is not None:
             # The shared slot tracker may not hold a rank this catalog has (another selector
             # removed its worker): such a rank cannot be booked, so it is no candidate.
-            candidates = [(record, rank) for record, rank in candidates if (record.worker_id, rank) in rows]
+            candidates = [candidate for candidate in candidates if candidate[2] in rows]
             if not candidates:
                 model_name, routing_group = request.partition
                 raise NotReady(f"the slot tracker holds none of the candidate ranks of model={model_name} "
@@ -661,16 +661,14 @@ class SelectionCore:
         isl = prompt.isl_tokens
         loads: list[RankState] = []
         infos: dict[RankKey, RankInfo] = {}
-        for record, rank in candidates:
-            key = (record.worker_id, rank)
+        for worker_id, rank, key, info in candidates:
             row = rows[key]
             cached = tiers.get(key)
             cached_tokens = min(isl, round_half_away(cached.weighted_blocks(credit) * block_size)) if cached else 0
-            loads.append(RankState(record.worker_id, rank, cached_tokens,
+            loads.append(RankState(worker_id, rank, cached_tokens,
                                    row["potential_prefill_tokens"] if tracking else 0,
                                    row["potential_decode_blocks"], row["active_requests"]))
-            infos[key] = RankInfo(record.worker_id, rank, record.total_kv_blocks,
-                                  record.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+            infos[key] = info
         scheduling = SchedulingRequest(isl, block_size, request.session, request.expected_output_tokens,
                                        temperature, weight)
         try:
@@ -683,10 +681,19 @@ class SelectionCore:
         return chosen, selection, tiers, state.workers[chosen.worker_id], rows
 
     def _candidates(self, request: SelectRequest, state: _PartitionState,
-                    bound: RankKey | None) -> list[tuple[WorkerRecord, int]]:
-        """The (worker, rank)s that may take the request: a pinned worker alone; else a valid
-        affinity target, or the session's bound rank, alone; else every schedulable rank, less
-        those outside `allowed_worker_ids` or lacking a required taint."""
+                    bound: RankKey | None) -> list[_Candidate]:
+        """The ranks that may take the request: a pinned worker alone; else a valid affinity
+        target, or the session's bound rank, alone; else every schedulable rank, less those
+        outside `allowed_worker_ids` or lacking a required taint."""
+        candidates = self._candidate_ranks(request, state, bound)
+        if candidates is None:
+            return state.candidates()
+        return [_candidate(record, rank) for record, rank in candidates]
+
+    def _candidate_ranks(self, request: SelectRequest, state: _PartitionState,
+                         bound: RankKey | None) -> list[tuple[WorkerRecord, int]] | None:
+        """`_candidates` as (worker, rank)s; None: every schedulable rank (the partition keeps
+        those, in (worker, rank) order)."""
         workers = state.workers
         allowed = set(request.allowed_worker_ids) if request.allowed_worker_ids is not None else None
         pinned = request.pinned_worker
@@ -706,6 +713,8 @@ class SelectionCore:
             if record is not None and bound[1] in record.ranks():
                 return [(record, bound[1])]
         required = set(request.routing_constraints.required_taints)
+        if allowed is None and not required:
+            return None
         return [(record, rank) for worker_id, record in sorted(workers.items())
                 if (allowed is None or worker_id in allowed) and required.issubset(record.taints)
                 for rank in record.ranks()]
@@ -853,13 +862,42 @@ class SelectionCore:
         return self.indexer.dump()
 
 
+# A candidate rank as a selection reads it: (worker_id, dp_rank, its key, what the scheduler
+# knows of it from the worker's record).
+_Candidate = tuple[int, int, RankKey, RankInfo]
+
+
+def _candidate(record: WorkerRecord, rank: int) -> _Candidate:
+    return (record.worker_id, rank, (record.worker_id, rank),
+            RankInfo(record.worker_id, rank, record.total_kv_blocks,
+                     record.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS))
+
+
 @dataclass(slots=True)
 class _PartitionState:
-    """A partition's fixed settings (its first schedulable worker's) and its schedulable workers."""
+    """A partition's fixed settings (its first schedulable worker's) and its schedulable workers
+    (changed through `set_worker` and `drop_worker` only: they keep `candidates` current)."""
 
     block_size: int
     is_eagle: bool
     workers: dict[int, WorkerRecord] = field(default_factory=dict)
+    _candidates: list[_Candidate] | None = None
+
+    def set_worker(self, record: WorkerRecord) -> None:
+        self.workers[record.worker_id] = record
+        self._candidates = None
+
+    def drop_worker(self, worker_id: int) -> None:
+        self.workers.pop(worker_id, None)
+        self._candidates = None
+
+    def candidates(self) -> list[_Candidate]:
+        """Every schedulable rank in (worker, rank) order, worked out once per change of the
+        workers rather than per selection (records are replaced, never changed, while listed)."""
+        if self._candidates is None:
+            self._candidates = [_candidate(record, rank) for _, record in sorted(self.workers.items())
+                                for rank in record.ranks()]
+        return self._candidates
 
 
 def output_after_block(blocks: int, load: float, fraction: float | None) -> tuple[int, float]:
