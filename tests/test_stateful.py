@@ -7,8 +7,9 @@ schema). At the end of every scenario the state must be consistent:
 
 * slot tracker: `/output_blocks` answers as a model of each active request's last count says
   (200 for a count at least as large, 409 for a smaller one, 404 for a request not active); a
-  rank's decode blocks are at least its requests' output blocks; after freeing every request
-  the scenario added, every rank's load is 0/0 and no rank has an active request;
+  rank's decode blocks are at least its requests' output blocks (decayed where `/add` gave an
+  expected length); after freeing every request the scenario added, every rank's load is 0/0
+  and no rank has an active request;
 * indexer: after clearing every worker (a `cleared` event per rank), every query of every hash
   the scenario stored is empty and no rank holds a block.
 
@@ -37,6 +38,7 @@ from support.schema_support import (
 
 from dynamo_lite.indexer.app import create_app as create_indexer_app
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker_app
+from dynamo_lite.slot_tracker.core import decayed_output
 
 U64_MAX = 2**64 - 1
 
@@ -66,8 +68,9 @@ class SlotTrackerWorkflow(slot_tracker_schema.as_state_machine()):  # type: igno
 
     def setup(self) -> None:
         self.added: set[tuple[str, str, str]] = set()
-        # (model_name, tenant_id, request_id) of each active request -> (worker_id, dp_rank, output blocks)
-        self.active: dict[tuple[str, str, str], tuple[int, int, int]] = {}
+        # (model_name, tenant_id, request_id) of each active request -> (worker_id, dp_rank, output blocks,
+        # the expected output tokens its /add gave: its output blocks decay toward them)
+        self.active: dict[tuple[str, str, str], tuple[int, int, int, int | None]] = {}
         for worker in _ok(self.client.get("/workers")):
             _ok(self.client.post("/unregister", json={key: worker[key] for key in ("worker_id", "model_name", "tenant_id")}))
         assert _ok(self.client.get("/loads")) == []
@@ -83,7 +86,8 @@ class SlotTrackerWorkflow(slot_tracker_schema.as_state_machine()):  # type: igno
         if path == "/add" and status == 201:
             key = (case.body["model_name"], tenant_of(case.body), case.body["request_id"])
             self.added.add(key)
-            self.active[key] = (case.body["worker_id"], case.body["dp_rank"], 0)
+            self.active[key] = (case.body["worker_id"], case.body["dp_rank"], 0,
+                                case.body.get("expected_output_tokens"))
         elif path == "/free" and status == 200:
             self.active.pop((case.body["model_name"], tenant_of(case.body), case.body["request_id"]), None)
         elif path == "/unregister" and status == 200:
@@ -98,11 +102,11 @@ class SlotTrackerWorkflow(slot_tracker_schema.as_state_machine()):  # type: igno
         if active is None:
             assert status == 404, (key, status)
             return
-        worker_id, dp_rank, count = active
+        worker_id, dp_rank, count, expected = active
         assert status == (200 if body["output_blocks"] >= count else 409), (key, count, body, status)
         slot_tracker_stats.notes["output block counts for active requests"] += 1
         if status == 200:
-            self.active[key] = (worker_id, dp_rank, body["output_blocks"])
+            self.active[key] = (worker_id, dp_rank, body["output_blocks"], expected)
 
     def teardown(self) -> None:
         slot_tracker_stats.notes["scenarios"] += 1
@@ -110,8 +114,11 @@ class SlotTrackerWorkflow(slot_tracker_schema.as_state_machine()):  # type: igno
             (row["model_name"], row["tenant_id"], row["worker_id"], row["dp_rank"]): row["active_decode_blocks"]
             for row in _ok(self.client.get("/loads"))
         }
+        block_sizes = {(w["model_name"], w["tenant_id"]): w["block_size"] for w in _ok(self.client.get("/workers"))}
         held: Counter[tuple[str, str, int, int]] = Counter()
-        for (model_name, tenant_id, _), (worker_id, dp_rank, count) in self.active.items():
+        for (model_name, tenant_id, _), (worker_id, dp_rank, count, expected) in self.active.items():
+            if expected is not None:  # what the decay leaves of the count
+                count = decayed_output(count, block_sizes[(model_name, tenant_id)], expected)
             held[(model_name, tenant_id, worker_id, dp_rank)] += count
         for rank, count in held.items():
             assert decode_blocks[rank] >= count, (rank, decode_blocks[rank], count)
