@@ -19,9 +19,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError, ServiceStatusError
+from dynamo_lite.client import ServiceCallError, ServiceStatusError
 
 from .metrics import EppMetrics
+from .state import SlotTrackerCalls, run_now
 
 logger = logging.getLogger("dynamo_lite.epp")
 
@@ -97,7 +98,7 @@ class Booking:
     def __init__(
         self,
         *,
-        slot_tracker: AsyncSlotTrackerClient | None,
+        slot_tracker: SlotTrackerCalls | None,
         metrics: EppMetrics,
         in_flight: InFlight,
         request_id: str,
@@ -112,6 +113,7 @@ class Booking:
         on_prefilled: Callable[[], None] | None = None,
     ) -> None:
         self.slot_tracker = slot_tracker  # None: the slot tracker was away at the pick: own counts only
+        self._immediate = getattr(slot_tracker, "immediate", False)  # in-process: each call made at once
         self.metrics = metrics
         self.in_flight = in_flight
         self.request_id = request_id
@@ -214,6 +216,9 @@ class Booking:
     # --- the calls, in order ---------------------------------------------------------------------
 
     def _then(self, call: Callable[[], Awaitable[None]]) -> None:
+        if self._immediate:
+            run_now(call())
+            return
         previous = self._calls
 
         async def run() -> None:
