@@ -5,9 +5,12 @@ booked synchronously, no service running).
 
 Both stacks run at once (fast engines, each picker on the picker's CPU, idle while the other is
 measured), and the rounds alternate: Envoy ROUND_ROBIN without ext_proc, then Envoy with each
-picker, the same small streamed request at the same open-loop rate; the difference to round
-robin at p50 and p99 is what each picker adds. On a machine shared with other work, drift
-then falls on all three paths alike.
+picker in two configurations, full duplex both ways as shipped (deploy/envoy/envoy-fallbacks.yaml:
+Envoy waits for the picker's reply to every response chunk) and the observability split
+(deploy/envoy/envoy-observer.yaml, Envoy's default deferred close: the response side is
+observed, not waited for); the same small streamed request at the same open-loop rate; the
+difference to round robin at p50 and p99 is what each picker adds. On a machine shared with
+other work, drift then falls on every path alike.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from typing import Any
 import orjson
 
 from .gateway_load import Outcome, Planned, open_loop, summarise
-from .gateway_stack import MODEL, PICKER_FULL, ROUND_ROBIN, EngineSettings, GatewayStack
+from .gateway_stack import MODEL, PICKER_FULL, PICKER_OBSERVER_5S, ROUND_ROBIN, EngineSettings, GatewayStack
 from .runner import progress
 
 STATES = ("services", "in-process")
 TITLES = {"services": "`--state services` (slot tracker + indexer over HTTP)",
           "in-process": "`--state in-process` (the picker's own cores)"}
+CONFIGS = {PICKER_FULL: "full duplex (as shipped)", PICKER_OBSERVER_5S: "observability split (envoy-observer.yaml)"}
 ROUNDS = 5  # short rounds, alternating: drift spreads over every path
 
 
@@ -45,20 +49,24 @@ def by_state(settings: Any, run: Callable[[Any], Any], started_stack: Callable[.
     with contextlib.ExitStack() as running:
         stacks: dict[str, GatewayStack] = {
             state: running.enter_context(started_stack(engine_settings=engines, state=state,
-                                                       variants=(PICKER_FULL, ROUND_ROBIN)))
+                                                       variants=(*CONFIGS, ROUND_ROBIN)))
             for state in STATES}
-        outcomes: dict[str, list[Outcome]] = {ROUND_ROBIN: [], **{state: [] for state in STATES}}
-        cpu = dict.fromkeys(STATES, 0.0)
-        before = {state: stack.picker_metrics() for state, stack in stacks.items()}
+        paths = [(state, config) for config in CONFIGS for state in STATES]
+        outcomes: dict[Any, list[Outcome]] = {ROUND_ROBIN: [], **{path: [] for path in paths}}
+        cpu = dict.fromkeys(paths, 0.0)
+        picks = dict.fromkeys(paths, (0.0, 0.0))
         for _ in range(rounds):
             done, _ = run(open_loop(stacks[STATES[0]].envoys[ROUND_ROBIN].url, plan))
             outcomes[ROUND_ROBIN] += done
-            for state, stack in stacks.items():
-                started = stack.picker_cpu_seconds()
-                done, _ = run(open_loop(stack.envoys[PICKER_FULL].url, plan))
-                cpu[state] += stack.picker_cpu_seconds() - started
-                outcomes[state] += done
-        after = {state: stack.picker_metrics() for state, stack in stacks.items()}
+            for path in paths:
+                stack = stacks[path[0]]
+                before, started = stack.picker_metrics(), stack.picker_cpu_seconds()
+                done, _ = run(open_loop(stack.envoys[path[1]].url, plan))
+                cpu[path] += stack.picker_cpu_seconds() - started
+                after = stack.picker_metrics()
+                picks[path] = tuple(was + after.get(name, 0) - before.get(name, 0) for was, name in zip(
+                    picks[path], ("dynamo_lite_epp_pick_seconds_count", "dynamo_lite_epp_pick_seconds_sum")))
+                outcomes[path] += done
         for stack in stacks.values():
             stack.wait_idle(settings.idle_timeout)
     plain = summarise(outcomes[ROUND_ROBIN])
@@ -67,22 +75,21 @@ def by_state(settings: Any, run: Callable[[Any], Any], started_stack: Callable[.
                                "requests_per_path": len(outcomes[ROUND_ROBIN]),
                                "prompt_tokens": settings.small_prompt_tokens, "max_tokens": settings.small_max_tokens,
                                "round_robin": asdict(plain)}
-    for state in STATES:
-        picker = summarise(outcomes[state])
-        picks = after[state].get("dynamo_lite_epp_pick_seconds_count", 0) - before[state].get(
-            "dynamo_lite_epp_pick_seconds_count", 0)
-        pick_secs = after[state].get("dynamo_lite_epp_pick_seconds_sum", 0) - before[state].get(
-            "dynamo_lite_epp_pick_seconds_sum", 0)
-        row = {"picker": asdict(picker),
+    rows = []
+    for state, config in paths:
+        picker = summarise(outcomes[(state, config)])
+        count, seconds = picks[(state, config)]
+        row = {"state": state, "variant": config, "picker": asdict(picker),
                "added_p50_ms": _minus(picker.latency_p50_ms, plain.latency_p50_ms),
                "added_p99_ms": _minus(picker.latency_p99_ms, plain.latency_p99_ms),
-               "picker_cpu_ms_per_request": 1000 * cpu[state] / max(1, len(outcomes[state])),
-               "pick_mean_ms": 1000 * pick_secs / picks if picks else None}
-        results[state] = row
-        progress(f"  {state}: picker p50 {_ms(picker.latency_p50_ms)} p99 {_ms(picker.latency_p99_ms)}; added p50 "
+               "picker_cpu_ms_per_request": 1000 * cpu[(state, config)] / max(1, len(outcomes[(state, config)])),
+               "pick_mean_ms": 1000 * seconds / count if count else None}
+        rows.append(row)
+        progress(f"  {state}, {config}: picker p50 {_ms(picker.latency_p50_ms)} p99 {_ms(picker.latency_p99_ms)}; added p50 "
                  f"{_ms(row['added_p50_ms'])} p99 {_ms(row['added_p99_ms'])}; pick mean {_ms(row['pick_mean_ms'])}; "
                  f"picker CPU {row['picker_cpu_ms_per_request']:.2f} ms/request; errors {picker.errors}")
     progress(f"  round robin p50 {_ms(plain.latency_p50_ms)} p99 {_ms(plain.latency_p99_ms)}; errors {plain.errors}")
+    results["rows"] = rows
     return results
 
 
@@ -100,15 +107,14 @@ def markdown(results: dict[str, Any]) -> list[str]:
         f"(`{' '.join(results['engine_flags'])}`); round robin without ext_proc: p50 "
         f"{_ms(plain['latency_p50_ms'])}, p99 {_ms(plain['latency_p99_ms'])}.",
         "",
-        "| picker state | added p50 | added p99 | picker p50 | picker p99 | picker CPU per request | "
-        "pick (body end → pick) mean | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| picker state | Envoy configuration | added p50 | added p99 | picker p50 | picker p99 | "
+        "picker CPU per request | pick (body end → pick) mean | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for state in STATES:
-        row = results[state]
+    for row in results["rows"]:
         picker = row["picker"]
         lines.append(
-            f"| {TITLES[state]} | **{_ms(row['added_p50_ms'])}** | **{_ms(row['added_p99_ms'])}** | "
+            f"| {TITLES[row['state']]} | {CONFIGS[row['variant']]} | **{_ms(row['added_p50_ms'])}** | **{_ms(row['added_p99_ms'])}** | "
             f"{_ms(picker['latency_p50_ms'])} | {_ms(picker['latency_p99_ms'])} | "
             f"{row['picker_cpu_ms_per_request']:.2f} ms | {_ms(row['pick_mean_ms'])} | {picker['errors']} |")
     return lines
