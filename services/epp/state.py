@@ -240,14 +240,17 @@ class LocalRegistrar:
     async def listed(self) -> tuple[set[TrackerWorker] | None, set[IndexedRank] | None]:
         tracker = {TrackerWorker(w.worker_id, w.model_name, w.tenant_id, w.block_size, w.dp_start, w.dp_size)
                    for w in self.state.tracker.workers()}
-        indexer = {IndexedRank(w.instance_id, rank.dp_rank, w.model_name, w.tenant_id, w.block_size, rank.endpoint,
-                               rank.replay_endpoint)
-                   for w in self.state.indexer.workers() for rank in w.ranks if rank.registered}
-        return tracker, indexer
+        return tracker, self._indexed()
+
+    def _indexed(self, model_name: str | None = None, tenant_id: str | None = None) -> set[IndexedRank]:
+        return {IndexedRank(w.instance_id, rank.dp_rank, w.model_name, w.tenant_id, w.block_size, rank.endpoint,
+                            rank.replay_endpoint)
+                for w in self.state.indexer.workers(model_name, tenant_id) for rank in w.ranks if rank.registered}
 
     async def register_tracker_worker(self, worker: TrackerWorker) -> bool:
-        listed, _ = await self.listed()
-        if listed is not None and worker in listed:
+        held = self.state.tracker.worker(worker.model, worker.tenant_id, worker.worker_id)
+        if held is not None and (held.block_size, held.dp_start, held.dp_size) == (
+                worker.block_size, worker.dp_start, worker.dp_size):
             return True
         try:
             self.state.tracker.register(worker.worker_id, worker.model, worker.tenant_id, worker.block_size,
@@ -259,8 +262,7 @@ class LocalRegistrar:
         return True
 
     async def register_indexer_rank(self, rank: IndexedRank) -> bool:
-        _, listed = await self.listed()
-        if listed is not None and rank in listed:
+        if rank in self._indexed(rank.model, rank.tenant_id):
             return True
         try:
             self.state.indexer.register(rank.worker_id, rank.model, rank.tenant_id, rank.block_size, rank.dp_rank,
