@@ -67,14 +67,13 @@ def by_state(settings: Any, run: Callable[[Any], Any], started_stack: Callable[.
                 picks[path] = tuple(was + after.get(name, 0) - before.get(name, 0) for was, name in zip(
                     picks[path], ("dynamo_lite_epp_pick_seconds_count", "dynamo_lite_epp_pick_seconds_sum")))
                 outcomes[path] += done
-        for stack in stacks.values():
-            stack.wait_idle(settings.idle_timeout)
+        left = {state: stack.wait_idle(settings.idle_timeout)[0] for state, stack in stacks.items()}
     plain = summarise(outcomes[ROUND_ROBIN])
     results: dict[str, Any] = {"engine_flags": engines.extra + ["--speedup-ratio", str(engines.speedup)],
                                "rate": settings.latency_rate, "rounds": rounds,
                                "requests_per_path": len(outcomes[ROUND_ROBIN]),
                                "prompt_tokens": settings.small_prompt_tokens, "max_tokens": settings.small_max_tokens,
-                               "round_robin": asdict(plain)}
+                               "round_robin": asdict(plain), "booked_after": left}
     rows = []
     for state, config in paths:
         picker = summarise(outcomes[(state, config)])
@@ -88,7 +87,8 @@ def by_state(settings: Any, run: Callable[[Any], Any], started_stack: Callable[.
         progress(f"  {state}, {config}: picker p50 {_ms(picker.latency_p50_ms)} p99 {_ms(picker.latency_p99_ms)}; added p50 "
                  f"{_ms(row['added_p50_ms'])} p99 {_ms(row['added_p99_ms'])}; pick mean {_ms(row['pick_mean_ms'])}; "
                  f"picker CPU {row['picker_cpu_ms_per_request']:.2f} ms/request; errors {picker.errors}")
-    progress(f"  round robin p50 {_ms(plain.latency_p50_ms)} p99 {_ms(plain.latency_p99_ms)}; errors {plain.errors}")
+    progress(f"  round robin p50 {_ms(plain.latency_p50_ms)} p99 {_ms(plain.latency_p99_ms)}; errors {plain.errors}; "
+             f"still booked at the end: {left}")
     results["rows"] = rows
     return results
 
