@@ -146,6 +146,16 @@ def test_an_in_process_booking_is_made_on_the_core_at_once() -> None:
         assert (load.active_prefill_tokens, load.active_decode_blocks) == (0, 0) and ended == ["end"]
         readings = await state.read("m", "default", [1], [1])
         assert [row.active_requests for row in readings.loads] == [0] and readings.cached == {}
+        # An engine without KV events: its picks approximate its cache (the indexer's /routed).
+        await state.routed(endpoint, [11, 12], "default")
+        assert (await state.read("m", "default", [11, 12, 13], [1, 2, 3])).cached == {(7, 0): 8}
+        # Leaving the pool: the rank is neither indexed nor tracked any more.
+        for worker in tracker_workers([endpoint]):
+            assert await state.registrar.unregister_tracker_worker(worker)
+        assert await state.registrar.unregister_indexer_rank(indexer_rank(endpoint))
+        assert await state.registrar.listed() == (set(), set())
+        gone = await state.read("m", "default", [11], [1])
+        assert gone.loads == [] and gone.cached == {}
         await state.aclose()
 
     asyncio.run(scenario())
