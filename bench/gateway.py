@@ -51,7 +51,7 @@ from typing import Any
 import orjson
 import uvloop
 
-from . import gateway_profile, gateway_routing
+from . import gateway_profile, gateway_routing, gateway_states
 from .gateway_chat import ChatShape
 from .gateway_load import Outcome, Planned, closed_loop, open_loop, summarise
 from .gateway_routing import RoutingSettings
@@ -331,12 +331,13 @@ def run(coroutine: Any) -> Any:
 
 @contextlib.contextmanager
 def started_stack(*, engine_settings: EngineSettings, variants: tuple[str, ...], picker_flags: tuple[str, ...] = (),
-                  profile_path: Path | None = None, attempts: int = 3, engines: int = ENGINES) -> Iterator[GatewayStack]:
+                  profile_path: Path | None = None, attempts: int = 3, engines: int = ENGINES,
+                  state: str = "services") -> Iterator[GatewayStack]:
     """A stack up and ready; a start-up that fails (a port taken between its choice and its bind
     by another process on this shared machine) is tried again with other ports."""
     for attempt in range(1, attempts + 1):
         kwargs: dict[str, Any] = {"engines": engines, "engine_settings": engine_settings, "variants": variants,
-                                  "picker_flags": picker_flags}
+                                  "picker_flags": picker_flags, "state": state}
         stack = _ProfiledStack(profile_path, **kwargs) if profile_path is not None else GatewayStack(**kwargs)
         try:
             stack.__enter__()
@@ -477,6 +478,8 @@ def markdown(results: dict[str, Any]) -> str:
         for row in cost["bookkeeping"]:
             lines.append(f"| {PICKER_CONFIGS[row['variant']]} | {row['active_at_last_answer']} | "
                          f"{row['seconds_to_zero_active']:.1f} | {_format_ends(row['ends'])} |")
+    if results.get("states"):
+        lines += gateway_states.markdown(results["states"])
     for key, what in (("profile", "full duplex"), ("profile_access_log", "the access-log configuration")):
         profile = results.get(key)
         if profile and "shares" in profile:
@@ -505,8 +508,9 @@ def _format_ends(ends: dict[str, int]) -> str:
 # --- the command ---------------------------------------------------------------------------------
 
 
-# The run's parts, in order: routing quality, then the picker's cost and its profile.
-PARTS = ("routing", "cost", "profile")
+# The run's parts, in order: routing quality, then the picker's cost, its added latency with the
+# state in the services and in its own process, and its profile.
+PARTS = ("routing", "cost", "states", "profile")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -585,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
             results["routing"] = gateway_routing.routing(settings.routing, run, started_stack)
         if "cost" in args.parts:
             results["picker_cost"] = picker_cost(settings)
+        if "states" in args.parts:
+            results["states"] = gateway_states.by_state(settings, run, started_stack)
         if "profile" in args.parts:
             with tempfile.TemporaryDirectory(prefix="bench-gateway-profile-") as workdir:
                 results["profile"] = picker_profile(settings, Path(workdir))

@@ -246,10 +246,14 @@ class GatewayStack:
 
     Everything but the picker runs on `CLIENT_CPU` (with the load generator): the picker's CPU
     time is then its own, and what it sustains is not shared with what loads it.
+
+    `state` "in-process": the picker runs with `--state in-process` (it holds the index and the
+    loads itself), and the slot tracker and the indexer are not started.
     """
 
     def __init__(self, *, engines: int, engine_settings: EngineSettings, variants: tuple[str, ...],
-                 picker_flags: tuple[str, ...] = ()):
+                 picker_flags: tuple[str, ...] = (), state: str = "services"):
+        self.state = state
         self.engine_settings = engine_settings
         self.variants = variants
         self.picker_flags = list(picker_flags)
@@ -264,8 +268,9 @@ class GatewayStack:
 
     def __enter__(self) -> GatewayStack:
         try:
-            self.slot_tracker = self._run(self._service_argv("slot_tracker"), ready="/health")
-            self.indexer = self._run(self._service_argv("indexer"), ready="/health")
+            if self.state == "services":
+                self.slot_tracker = self._run(self._service_argv("slot_tracker"), ready="/health")
+                self.indexer = self._run(self._service_argv("indexer"), ready="/health")
             for engine in self.engines:
                 self._run(self._engine_argv(engine), ready="/health", port=engine.port)
             pool = self.workdir / "pool.json"
@@ -274,7 +279,7 @@ class GatewayStack:
                  "kv_events_endpoint": f"tcp://127.0.0.1:{engine.events_port}",
                  "replay_endpoint": f"tcp://127.0.0.1:{engine.replay_port}"} for engine in self.engines]))
             if any(variant not in (ROUND_ROBIN, LEAST_REQUEST) for variant in self.variants):
-                # /ready: the pool is registered with both services, so the first pick can book.
+                # /ready: the pool is registered (with both services), so the first pick can book.
                 picker = self._run(self._picker_argv(pool), ready="/ready", port=self.picker_http_port)
                 self.picker_url = str(picker)
                 self.picker_pid = picker.process.pid  # taskset execs the picker: this is its pid
@@ -320,13 +325,20 @@ class GatewayStack:
         # Alone on SERVER_CPU; warnings only (an info line per request would be part of its cost).
         return ["taskset", "-c", str(SERVER_CPU), sys.executable, "-m", "dynamo_lite.epp",
                 "--host", "127.0.0.1", "--port", str(self.picker_port), "--metrics-port", str(self.picker_http_port),
-                "--pool", str(pool), "--slot-tracker", self.slot_tracker, "--indexer", self.indexer,
+                "--pool", str(pool), *self._state_flags(),
                 "--log-level", "warning", "--seed", "0", "--shutdown-grace-secs", "2", *self.picker_flags]
+
+    def _state_flags(self) -> list[str]:
+        if self.state == "services":
+            return ["--slot-tracker", self.slot_tracker, "--indexer", self.indexer]
+        return ["--state", self.state]
 
     # --- reading the parts --------------------------------------------------------------------
 
     def active_requests(self) -> int:
-        """Requests the slot tracker still holds (bookings not freed)."""
+        """Requests the slot tracker still holds (bookings not freed): in process, the picker's own."""
+        if self.state != "services":
+            return int(self.picker_metrics().get("dynamo_lite_slot_tracker_active_requests", 0))
         dump = httpx.get(self.slot_tracker + "/dump", timeout=5.0).json()
         return sum(len(partition.get("requests", [])) for partition in dump.get("partitions", []))
 

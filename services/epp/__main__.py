@@ -36,6 +36,7 @@ from .picker import (
 )
 from .prompt import DEFAULT_TOKENIZER_THREADS
 from .queue import QueuePolicy
+from .state import IN_PROCESS, SERVICES, STATES
 
 SERVICES_API_KEY_FLAG = "--services-api-key"
 
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="JSON or YAML list of endpoints {address, worker_id, dp_rank, model, block_size, "
                           "kv_events_endpoint?, replay_endpoint?, max_num_batched_tokens?, lora_names?}; re-read "
                           "on change and on SIGHUP (required)")
+    services.add_argument("--state", choices=STATES, default=SERVICES,
+                          help=f"where the index and the loads live: '{SERVICES}', the slot tracker and the indexer "
+                          f"(several pickers share them; two HTTP reads per pick); '{IN_PROCESS}', this picker's own "
+                          "process (it subscribes to the engines' KV events itself and books on its own slot "
+                          "tracker: the fastest pick, for one picker alone; --slot-tracker and --indexer unused)")
     services.add_argument("--slot-tracker", default="http://127.0.0.1:8091", help="slot tracker base URL")
     services.add_argument("--indexer", default="http://127.0.0.1:8090", help="indexer base URL")
     services.add_argument("--tokenizer", default=None,
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     own_key = args.api_keys.write_keys[0] if args.api_keys is not None else None
     config = EppConfig(
         pool_file=args.pool, slot_tracker_url=args.slot_tracker, indexer_url=args.indexer, tokenizer=args.tokenizer,
+        state=args.state,
         render_url=args.render_url, grpc_host=args.host, grpc_port=args.port, cert=args.cert, key=args.key,
         client_ca=args.client_ca, engine_metrics_secs=args.engine_metrics_secs,
         tokenizer_threads=args.tokenizer_threads, access_log_silence_secs=args.access_log_silence_secs,
@@ -183,9 +190,10 @@ def main(argv: list[str] | None = None) -> None:
                                             default_key=own_key.decode() if own_key else None),
     )
     log = logging.getLogger("dynamo_lite.epp")
-    log.info("endpoint picker: gRPC on %s:%d%s, HTTP on port %d, pool %s, slot tracker %s, indexer %s",
+    log.info("endpoint picker: gRPC on %s:%d%s, HTTP on port %d, pool %s, %s",
              args.host, args.port, (" (mutual TLS)" if args.client_ca else " (TLS)") if args.cert else "",
-             args.metrics_port, args.pool, args.slot_tracker, args.indexer)
+             args.metrics_port, args.pool, "index and loads in process" if args.state == IN_PROCESS else
+             f"slot tracker {args.slot_tracker}, indexer {args.indexer}")
     log.info("routing: %s", scheduler.describe())
     args.port = args.metrics_port  # what `serve` binds: the HTTP side
     serve(create_app(config), args)

@@ -38,6 +38,7 @@ from .metrics import EppMetrics
 from .picker import KvPicker, PickerSettings
 from .pool import PoolRegistrar, PoolWatcher
 from .prompt import DEFAULT_TOKENIZER_THREADS, PromptReader
+from .state import IN_PROCESS, SERVICES, LocalState, PickerState, RemoteState
 
 logger = logging.getLogger("dynamo_lite.epp")
 
@@ -52,6 +53,7 @@ THRESHOLDS = ("active_decode_blocks_threshold", "active_prefill_tokens_threshold
 @dataclass(frozen=True)
 class EppConfig:
     pool_file: Path
+    state: str = SERVICES  # IN_PROCESS: the picker holds the index and the loads itself (state.LocalState)
     slot_tracker_url: str = "http://127.0.0.1:8091"
     indexer_url: str = "http://127.0.0.1:8090"
     tokenizer: str | None = None  # None: the engine stand-in's shipped tokenizer
@@ -139,26 +141,32 @@ class SchedulerState(_PickerRoute):
 def create_app(config: EppConfig) -> http.Service:
     holder: dict[str, Any] = {}
     metrics_holder: dict[str, EppMetrics] = {}
+    local = LocalState() if config.state == IN_PROCESS else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: http.Service) -> AsyncIterator[None]:
         tokenizer = Tokenizer.load(config.tokenizer) if config.render_url is None or config.tokenizer else None
         prompts = PromptReader(tokenizer=tokenizer, render_url=config.render_url, threads=config.tokenizer_threads)
-        # The lean transport: httpx cost ~1 ms of CPU per call, 87 % of the picker's time
-        # (bench.gateway); it needs plain http:// URLs.
-        lean = all(url.startswith("http://") for url in (config.slot_tracker_url, config.indexer_url))
-        slot_tracker = AsyncSlotTrackerClient(config.slot_tracker_url, timeout=SERVICE_TIMEOUT_SECS, lean=lean,
-                                              credentials=config.credentials)
-        indexer = AsyncIndexerClient(config.indexer_url, timeout=SERVICE_TIMEOUT_SECS, lean=lean,
-                                     credentials=config.credentials)
-        registrar = PoolRegistrar(slot_tracker, indexer)
-        watcher = PoolWatcher(config.pool_file, registrar, interval=config.pool_poll_secs)
-        picker = KvPicker(pool=watcher.pool, slot_tracker=slot_tracker, indexer=indexer, prompts=prompts,
-                          metrics=metrics_holder["metrics"], settings=config.picker)
+        state: PickerState
+        if local is None:
+            # The lean transport: httpx cost ~1 ms of CPU per call, 87 % of the picker's time
+            # (bench.gateway); it needs plain http:// URLs.
+            lean = all(url.startswith("http://") for url in (config.slot_tracker_url, config.indexer_url))
+            slot_tracker = AsyncSlotTrackerClient(config.slot_tracker_url, timeout=SERVICE_TIMEOUT_SECS, lean=lean,
+                                                  credentials=config.credentials)
+            indexer = AsyncIndexerClient(config.indexer_url, timeout=SERVICE_TIMEOUT_SECS, lean=lean,
+                                         credentials=config.credentials)
+            state = RemoteState(slot_tracker, indexer)
+            watcher = PoolWatcher(config.pool_file, PoolRegistrar(slot_tracker, indexer), interval=config.pool_poll_secs)
+        else:
+            state = local
+            watcher = PoolWatcher(config.pool_file, local.registrar, interval=config.pool_poll_secs)
+        picker = KvPicker(pool=watcher.pool, state=state, prompts=prompts, metrics=metrics_holder["metrics"],
+                          settings=config.picker)
         watcher.on_change.append(picker.set_pool)
         holder.update(picker=picker, watcher=watcher)
         app.state.not_ready = lambda: None if watcher.ready else (
-            "the pool is not registered with both services yet (see the log)")
+            "the pool is not registered yet (see the log)")
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, watcher.reload)
         watch = loop.create_task(watcher.run(), name="pool-watcher")
@@ -193,8 +201,7 @@ def create_app(config: EppConfig) -> http.Service:
                     await task
             loop.remove_signal_handler(signal.SIGHUP)
             await picker.aclose()
-            await slot_tracker.aclose()
-            await indexer.aclose()
+            await state.aclose()
 
     app = http.Service(
         routes=[
@@ -204,6 +211,7 @@ def create_app(config: EppConfig) -> http.Service:
             Route("/scheduler", SchedulerState(holder), methods=["GET"]),
         ],
         lifespan=lifespan,
+        collectors=local.collectors() if local is not None else (),
     )
     metrics_holder["metrics"] = EppMetrics(app.metrics_registry)
     app.state.holder = holder

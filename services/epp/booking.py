@@ -27,9 +27,10 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError, ServiceStatusError
+from dynamo_lite.client import ServiceCallError, ServiceStatusError
 
 from .metrics import EppMetrics
+from .state import SlotTrackerCalls, run_now
 
 logger = logging.getLogger("dynamo_lite.epp")
 
@@ -112,7 +113,7 @@ class Booking:
     def __init__(
         self,
         *,
-        slot_tracker: AsyncSlotTrackerClient | None,
+        slot_tracker: SlotTrackerCalls | None,
         metrics: EppMetrics,
         in_flight: InFlight,
         request_id: str,
@@ -129,6 +130,7 @@ class Booking:
         on_unobserved: Callable[[Booking], None] | None = None,
     ) -> None:
         self.slot_tracker = slot_tracker  # None: the slot tracker was away at the pick: own counts only
+        self._immediate = getattr(slot_tracker, "immediate", False)  # in-process: each call made at once
         self.metrics = metrics
         self.in_flight = in_flight
         self.request_id = request_id
@@ -283,6 +285,9 @@ class Booking:
     # --- the calls, in order ---------------------------------------------------------------------
 
     def _then(self, call: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        if self._immediate:
+            run_now(call())
+            return
         previous = self._calls
         if previous is None or previous.done():  # nothing to wait for: no wrapper task
             self._calls = asyncio.get_running_loop().create_task(call())

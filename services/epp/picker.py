@@ -9,7 +9,8 @@ Per request (`KvPicker.pick`):
    and chained sequence hashes (for the slot tracker), computed here: a `/query_by_hash` is
    cheaper for the indexer than hashing a `/query`'s token ids itself (bench.gateway);
 3. the indexer's overlap and the slot tracker's `/potential_loads` are read concurrently
-   (`dynamo_lite.routing.read_ranks`) and the scheduling cycle chooses (`dynamo_lite.scheduling`,
+   (`dynamo_lite.routing.read_ranks`; with `--state in-process`, the picker's own cores, read
+   synchronously: `state.LocalState`) and the scheduling cycle chooses (`dynamo_lite.scheduling`,
    the one `KvRouter` and the simulator run): by default the rank with the least predicted time
    to first token plus cache-write cost, or Dynamo's `overlap_weight * prefill_blocks +
    decode_blocks` with `--cost dynamo`; busy thresholds take ranks out; a session header keeps a
@@ -42,7 +43,7 @@ from typing import Any
 
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError, ServiceStatusError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed_list
-from dynamo_lite.routing import RankReadings, read_ranks
+from dynamo_lite.routing import RankReadings
 from dynamo_lite.scheduling import (
     AllBusy,
     BusyThresholds,
@@ -64,6 +65,7 @@ from .pool import PoolEndpoint
 from .prompt import PromptReader, parse_body
 from .protocol import NullTracker, Pick, PickError, RequestInfo
 from .queue import AdmissionQueue, QueuedRequest, QueuePolicy, QueueRefused, RequestQueue
+from .state import PickerState, RemoteState
 
 logger = logging.getLogger("dynamo_lite.epp")
 
@@ -138,14 +140,19 @@ class KvPicker:
         self,
         *,
         pool: Sequence[PoolEndpoint],
-        slot_tracker: AsyncSlotTrackerClient,
-        indexer: AsyncIndexerClient,
+        slot_tracker: AsyncSlotTrackerClient | None = None,
+        indexer: AsyncIndexerClient | None = None,
         prompts: PromptReader,
         metrics: EppMetrics,
         settings: PickerSettings = PickerSettings(),
+        state: PickerState | None = None,
     ) -> None:
-        self.slot_tracker = slot_tracker
-        self.indexer = indexer
+        """`state`: where to read and book (`state.LocalState` in process); by default the two
+        services through `slot_tracker` and `indexer`."""
+        if state is None:
+            assert slot_tracker is not None and indexer is not None, "the services' clients, or a state"
+            state = RemoteState(slot_tracker, indexer)
+        self.state = state
         self.prompts = prompts
         self.metrics = metrics
         self.settings = settings
@@ -341,7 +348,7 @@ class KvPicker:
                       local: list[int], seq: list[int]) -> tuple[Selection | None, str]:
         """Read both services and run the scheduling cycle; (None, outcome) when every candidate
         is busy or saturated (the caller queues the request)."""
-        readings = await read_ranks(self.slot_tracker, self.indexer, model, tenant, local, seq)
+        readings = await self.state.read(model, tenant, local, seq)
         for error in (readings.indexer_error, readings.tracker_error):
             if isinstance(error, ServiceStatusError) and error.status == 413:
                 # The request's fault, not an outage: routing goes on for the next one.
@@ -443,7 +450,7 @@ class KvPicker:
         """While requests wait, re-read the loads (other pickers' requests end too) and poke."""
         while self._queue.depth:
             try:
-                for load in await self.slot_tracker.loads():
+                for load in await self.state.loads():
                     rank = (load.worker_id, load.dp_rank)
                     endpoint = self._by_rank.get(rank)
                     if endpoint is not None:
@@ -483,7 +490,7 @@ class KvPicker:
         request_id = request.request_id or uuid.uuid4().hex
         tracker_up = outcome in ("kv", "load_only")
         booking = Booking(
-            slot_tracker=self.slot_tracker if tracker_up else None, metrics=self.metrics, in_flight=self.in_flight,
+            slot_tracker=self.state.booker if tracker_up else None, metrics=self.metrics, in_flight=self.in_flight,
             request_id=request_id, model=endpoint.model, tenant_id=tenant, target=target, fallbacks=fallbacks,
             sequence_hashes=seq, new_prefill_tokens=max(isl - chosen.cached_tokens, 0), block_size=block_size,
             on_end=lambda: self._ended(request_id),
@@ -510,8 +517,7 @@ class KvPicker:
     async def _record(self, endpoint: PoolEndpoint, local: list[int], tenant: str) -> None:
         """An engine without KV events: the indexer approximates its cache from the picks."""
         try:
-            await self.indexer.routed(endpoint.worker_id, endpoint.model, local, dp_rank=endpoint.dp_rank,
-                                      tenant_id=tenant)
+            await self.state.routed(endpoint, local, tenant)
         except ServiceCallError as error:
             self.metrics.lifecycle_failures.labels("routed").inc()
             logger.debug("/routed for %s failed: %s", endpoint.address, error)

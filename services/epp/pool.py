@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -523,6 +523,21 @@ def indexer_rank(ep: PoolEndpoint) -> IndexedRank:
 OnChange = Callable[[list[PoolEndpoint]], Any]
 
 
+class Registrations(Protocol):
+    """What `PoolWatcher` registers through: `PoolRegistrar` (both services), or the picker's
+    own cores (`state.LocalRegistrar`, `--state in-process`)."""
+
+    async def listed(self) -> tuple[set[TrackerWorker] | None, set[IndexedRank] | None]: ...
+
+    async def register_tracker_worker(self, worker: TrackerWorker) -> bool: ...
+
+    async def register_indexer_rank(self, rank: IndexedRank) -> bool: ...
+
+    async def unregister_tracker_worker(self, worker: TrackerWorker) -> bool: ...
+
+    async def unregister_indexer_rank(self, rank: IndexedRank) -> bool: ...
+
+
 class PoolWatcher:
     """The current pool, kept in step with its file and registered with both services.
 
@@ -545,7 +560,7 @@ class PoolWatcher:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        registrar: PoolRegistrar,
+        registrar: Registrations,
         *,
         interval: float = 1.0,
         verify_interval: float = 10.0,
@@ -770,6 +785,7 @@ __all__ = [
     "PoolError",
     "PoolRegistrar",
     "PoolWatcher",
+    "Registrations",
     "TrackerWorker",
     "diff",
     "indexer_rank",
