@@ -128,6 +128,7 @@ class Booking:
         on_prefilled: Callable[[], None] | None = None,
         max_output_tokens: int | None = None,
         on_unobserved: Callable[[Booking], None] | None = None,
+        expected_output_tokens: int | None = None,
     ) -> None:
         self.slot_tracker = slot_tracker  # None: the slot tracker was away at the pick: own counts only
         self._immediate = getattr(slot_tracker, "immediate", False)  # in-process: each call made at once
@@ -145,6 +146,9 @@ class Booking:
         self.on_prefilled = on_prefilled
         self.max_output_tokens = max_output_tokens  # the request's max_tokens: what an estimate stays under
         self.on_unobserved = on_unobserved
+        # The answer's expected length (`nvext.agent_hints.osl`): the slot tracker decays its
+        # output blocks toward it.
+        self.expected_output_tokens = expected_output_tokens
         self.unobserved_since: float | None = None  # time.monotonic() when the gateway stopped showing chunks
         self._seen_tokens = 0  # output tokens counted from chunks before that
         self.prefilled = False
@@ -326,7 +330,8 @@ class Booking:
         target = self.target
         await self._retrying("add", lambda: tracker.add(
             self.model, self.request_id, target.worker_id, target.dp_rank, self.sequence_hashes,
-            self.new_prefill_tokens, tenant_id=self.tenant_id), ok_statuses=(409,))
+            self.new_prefill_tokens, tenant_id=self.tenant_id, expected_output_tokens=self.expected_output_tokens),
+            ok_statuses=(409,))
 
     async def _prefill_complete(self) -> None:
         tracker = self.slot_tracker

@@ -102,6 +102,23 @@ class PickerSettings:
     output_estimate_secs: float = DEFAULT_OUTPUT_ESTIMATE_SECS
 
 
+def expected_output_tokens(data: dict[str, Any]) -> int | None:
+    """The answer's expected length the client gives in `nvext.agent_hints.osl` (an integer
+    count of tokens, 0..2^32-1 as Dynamo's u32); None when absent. PickError 400 when it is
+    there but not such an integer."""
+    nvext = data.get("nvext")
+    if not isinstance(nvext, dict):
+        return None
+    hints = nvext.get("agent_hints")
+    if not isinstance(hints, dict) or hints.get("osl") is None:
+        return None
+    osl = hints["osl"]
+    if isinstance(osl, bool) or not isinstance(osl, int) or not 0 <= osl < 1 << 32:
+        raise PickError(400, f"nvext.agent_hints.osl must be an integer count of tokens in 0..2^32-1, got {osl!r}",
+                        code="invalid_request")
+    return osl
+
+
 def max_output_tokens(data: dict[str, Any]) -> int | None:
     """The request's cap on its answer (`max_completion_tokens`, else `max_tokens`); None: none."""
     for key in ("max_completion_tokens", "max_tokens"):
@@ -276,7 +293,8 @@ class KvPicker:
         signed_seq = to_signed_list(sequence_hashes(local))
         isl = len(prompt.token_ids)
         session = request.headers.get(self.settings.session_header) if self.settings.session_header else None
-        scheduling = SchedulingRequest(isl, block_size, session_id=session or None)
+        scheduling = SchedulingRequest(isl, block_size, session_id=session or None,
+                                       expected_output_tokens=expected_output_tokens(data))
         queued = False
         arrival = deadline = 0.0
         try:
@@ -496,6 +514,7 @@ class KvPicker:
             on_end=lambda: self._ended(request_id),
             on_prefilled=lambda: self._first_token(booking, chosen, picked_at),
             max_output_tokens=max_output, on_unobserved=self._estimate_from_now,
+            expected_output_tokens=scheduling.expected_output_tokens,
         )
         self.bookings[request_id] = booking
         if endpoint.kv_events_endpoint is None and outcome in ("kv", "overlap_only"):
@@ -576,4 +595,4 @@ class KvPicker:
 
 
 __all__ = ["DEFAULT_MAX_PROMPT_TOKENS", "DEFAULT_OUTPUT_ESTIMATE_SECS", "DROPPED_REASON_HEADER", "KvPicker",
-           "PickerSettings", "max_output_tokens"]
+           "PickerSettings", "expected_output_tokens", "max_output_tokens"]

@@ -52,7 +52,8 @@ class SlotTrackerCalls(Protocol):
     """The slot tracker calls a `Booking` makes (`AsyncSlotTrackerClient`'s signatures)."""
 
     async def add(self, model_name: str, request_id: str, worker_id: int, dp_rank: int,
-                  sequence_hashes: Sequence[int], new_isl_tokens: int = 0, *, tenant_id: str = ...) -> None: ...
+                  sequence_hashes: Sequence[int], new_isl_tokens: int = 0, *, tenant_id: str = ...,
+                  expected_output_tokens: int | None = None) -> None: ...
 
     async def prefill_complete(self, model_name: str, request_id: str, *, tenant_id: str = ...) -> None: ...
 
@@ -132,9 +133,11 @@ class LocalSlotTracker:
         self.tracker = tracker
 
     async def add(self, model_name: str, request_id: str, worker_id: int, dp_rank: int,
-                  sequence_hashes: Sequence[int], new_isl_tokens: int = 0, *, tenant_id: str = "default") -> None:
+                  sequence_hashes: Sequence[int], new_isl_tokens: int = 0, *, tenant_id: str = "default",
+                  expected_output_tokens: int | None = None) -> None:
         try:
-            self.tracker.add(model_name, tenant_id, request_id, worker_id, dp_rank, sequence_hashes, new_isl_tokens)
+            self.tracker.add(model_name, tenant_id, request_id, worker_id, dp_rank, sequence_hashes, new_isl_tokens,
+                             expected_output_tokens)
         except ServiceError as error:
             raise _call_error(error, "/add") from None
 
