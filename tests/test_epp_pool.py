@@ -83,6 +83,16 @@ def test_parse_yaml() -> None:
     assert third.tenant_id == "team-a"
 
 
+def test_roles() -> None:
+    pool = parse_pool("- {address: 10.0.0.1:80, worker_id: 1, model: m, block_size: 16, role: prefill}\n"
+                      "- {address: 10.0.0.2:80, worker_id: 2, model: m, block_size: 16, role: decode}\n"
+                      "- {address: 10.0.0.3:80, worker_id: 3, model: m, block_size: 16, role: aggregated}\n"
+                      "- {address: 10.0.0.4:80, worker_id: 4, model: m, block_size: 16}\n", source="pool.yaml")
+    assert [ep.role for ep in pool] == ["prefill", "decode", "aggregated", "aggregated"]
+    as_decode = PoolEndpoint(address="10.0.0.4:80", worker_id=4, model="m", block_size=16, role="decode")
+    assert diff(pool, [*pool[:3], as_decode]).changed == [(pool[3], as_decode)]
+
+
 def test_the_dp_ranks_of_one_engine_share_its_address() -> None:
     pool = parse_pool(pool_text(entry(), entry(dp_rank=1)), source="pool.json")
     assert [(ep.address, ep.rank_key) for ep in pool] == [("10.0.0.1:8000", (1, 0)), ("10.0.0.1:8000", (1, 1))]
@@ -183,6 +193,13 @@ ERRORS = [
     pytest.param(pool_text(entry(), entry(address="10.0.0.2:8000", dp_rank=2)),
                  "endpoints[1]: dp_rank: worker_id 1 lists dp_ranks 0, 2: the slot tracker registers a worker's ranks "
                  "as one range, so list every rank from 0 to 2", id="rank-gap"),
+    pytest.param(pool_text(entry(role="prefiller")),
+                 "endpoints[0]: role: must be one of prefill, decode, aggregated, got 'prefiller'", id="role-unknown"),
+    pytest.param(pool_text(entry(role=None)), "endpoints[0]: role: must be one of prefill, decode, aggregated, got null",
+                 id="role-null"),
+    pytest.param(pool_text(entry(role="decode"), entry(address="10.0.0.2:8000", dp_rank=1, role="prefill")),
+                 "endpoints[1]: role: 'prefill' differs from 'decode' of endpoints[0], another rank of worker_id 1",
+                 id="rank-role"),
     pytest.param(pool_text(entry(), 5), "endpoints[1]: must be an object, got 5", id="not-object"),
     pytest.param("", "pool.json: the file is empty: write [] (or endpoints: []) for a pool without endpoints", id="empty-file"),
     pytest.param('{"endpoints": [], "extra": 1}', "pool.json: unknown top-level key 'extra': expected only 'endpoints'",

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     services = parser.add_argument_group("the services and the pool")
     services.add_argument("--pool", required=False, default=None, type=Path,
                           help="JSON or YAML list of endpoints {address, worker_id, dp_rank, model, block_size, "
-                          "kv_events_endpoint?, replay_endpoint?, max_num_batched_tokens?, lora_names?}; re-read "
+                          "kv_events_endpoint?, replay_endpoint?, max_num_batched_tokens?, lora_names?, role?}; re-read "
                           "on change and on SIGHUP (required)")
     services.add_argument("--state", choices=STATES, default=SERVICES,
                           help=f"where the index and the loads live: '{SERVICES}', the slot tracker and the indexer "

@@ -16,6 +16,8 @@ one data-parallel rank of one engine:
                                         # read from the engine's /metrics
         tenant_id: default
         lora_names: [sql-adapter]       # LoRA adapters the engine serves under other names
+        role: decode                    # prefill | decode | aggregated (default): disaggregated
+                                        # fleets (docs/disaggregation.md)
 
 `parse_pool` / `load_pool` validate it whole (unknown keys, duplicate ranks, an address shared by
 two workers (the dp ranks of one engine share its address), the
@@ -56,6 +58,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_TENANT = "default"
+PREFILL = "prefill"
+DECODE = "decode"
+AGGREGATED = "aggregated"
+ROLES = (PREFILL, DECODE, AGGREGATED)
 
 RankKey = tuple[int, int]
 """(worker_id, dp_rank): one rank of one engine."""
@@ -189,6 +195,7 @@ class PoolEndpoint:
     total_kv_blocks: int | None = None
     tenant_id: str = DEFAULT_TENANT
     lora_names: tuple[str, ...] = ()
+    role: str = AGGREGATED
 
     def __post_init__(self) -> None:
         try:
@@ -230,6 +237,8 @@ class PoolEndpoint:
                 raise _FieldError("lora_names", f"{name!r} is the endpoint's own model")
             seen.add(name)
         object.__setattr__(self, "lora_names", tuple(names))
+        if self.role not in ROLES:
+            raise _FieldError("role", f"must be one of {', '.join(ROLES)}, got {_show(self.role)}")
 
     @property
     def rank_key(self) -> RankKey:
@@ -399,13 +408,13 @@ def _check_consistency(pool: list[PoolEndpoint], source: str, line_of: Callable[
             )
         by_rank[ep.rank_key] = index
         first = first_of_worker.setdefault(ep.worker_id, index)
-        for name in ("model", "block_size", "tenant_id"):
+        for name in ("model", "block_size", "tenant_id", "role"):
             mine, theirs = getattr(ep, name), getattr(pool[first], name)
             if mine != theirs:
                 raise PoolError(
                     source,
                     f"{mine!r} differs from {theirs!r} of endpoints[{first}], another rank of worker_id "
-                    f"{ep.worker_id} (all ranks of one worker serve one model, tenant and block size)",
+                    f"{ep.worker_id} (all ranks of one worker serve one model, tenant, block size and role)",
                     index=index, field=name, line=line_of(index),
                 )
     ranks: dict[int, list[tuple[int, int]]] = {}
