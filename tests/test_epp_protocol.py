@@ -219,6 +219,7 @@ class RecordingPicker:
             headers={"x-picked-by": "test-picker", "x-request-seen": request.request_id},
             tracker=recorder,
             body=h["x-test-replace-body"].encode() if "x-test-replace-body" in h else None,
+            remove_headers=tuple(h["x-test-remove"].split(",")) if "x-test-remove" in h else (),
         )
         self.picks.append((pick, recorder))
         return pick
@@ -832,6 +833,23 @@ class FakeEnvoy:
 
 async def read_n(call: Any, n: int) -> list[pb.ProcessingResponse]:
     return [await asyncio.wait_for(call.read(), 5) for _ in range(n)]
+
+
+def test_headers_the_picker_removes_are_removed(stack: Stack):
+    headers = {**POST, "x-prefiller-host-port": "10.9.9.9:80", "x-test-remove": "x-prefiller-host-port,x-picked-by"}
+
+    async def script(call: Any) -> Any:
+        await call.write(headers_msg(headers))
+        await call.write(body_msg(json.dumps(chat()).encode(), end=True))
+        replies = await read_n(call, 2)
+        await call.done_writing()
+        return replies
+
+    replies = FakeEnvoy(stack).exchange(script)
+    mutation = replies[0].request_headers.response.header_mutation
+    # The picker's own header is set, not removed; the client's x-gateway-* go as always.
+    assert list(mutation.remove_headers) == ["x-gateway-x", "x-prefiller-host-port"]
+    assert "x-picked-by" in {h.header.key for h in mutation.set_headers}
 
 
 def test_the_headers_reply_and_the_rechunked_body(stack: Stack):

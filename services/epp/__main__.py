@@ -26,6 +26,7 @@ from dynamo_lite.scheduling.flags import add_scheduling_arguments, scheduler_con
 
 from .access_log import DEFAULT_SILENCE_SECS
 from .app import DEFAULT_ENGINE_METRICS_SECS, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EppConfig, create_app
+from .disagg import DEFAULT_MIN_UNCACHED_TOKENS, DEFAULT_PREFILL_BUSY_FRAC, DisaggSettings
 from .picker import (
     DEFAULT_FALLBACKS,
     DEFAULT_MAX_PROMPT_TOKENS,
@@ -118,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     routing.add_argument("--fallbacks", type=non_negative_int, default=DEFAULT_FALLBACKS,
                          help="next best endpoints handed to Envoy after the pick")
     routing.add_argument("--seed", type=int, default=None, help="seed of tie-breaking and sampling")
+    disagg = parser.add_argument_group(
+        "disaggregation (pools with role: prefill endpoints; docs/disaggregation.md)",
+        "The request goes to a decode endpoint; it is prefilled on a prefill endpoint (named in the "
+        "x-prefiller-host-port header, which the P/D sidecar beside the decode engine reads) when its prompt's "
+        "uncached tokens there exceed --disagg-min-uncached-tokens and some prefill endpoint is not busy.")
+    disagg.add_argument("--disagg-min-uncached-tokens", type=non_negative_int, default=DEFAULT_MIN_UNCACHED_TOKENS,
+                        help="prefill on a prefill endpoint only prompts with more tokens than this not cached on the "
+                        "chosen decode endpoint (Dynamo's effective-ISL threshold); shorter ones run aggregated there")
+    disagg.add_argument("--disagg-prefill-busy-frac", type=_queue_threshold, default=DEFAULT_PREFILL_BUSY_FRAC,
+                        help="a prefill endpoint with this fraction of its max_num_batched_tokens of prefill booked "
+                        "is busy (as are those over the busy thresholds above); every one busy: the request runs "
+                        "aggregated on the decode endpoint. 'none': the busy thresholds alone")
     queue = parser.add_argument_group("queue (when every candidate is busy)")
     queue.add_argument("--router-queue-threshold", type=_queue_threshold, default=2.0,
                        help="hold requests while every candidate's active prefill exceeds this fraction of its "
@@ -177,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         queue_max_size=args.queue_max_size, priority_header=args.priority_header.lower(),
         session_header=args.session_header.lower() or None, fallbacks=args.fallbacks, seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens, output_estimate_secs=args.output_estimate_secs,
+        disagg=DisaggSettings(min_uncached_tokens=args.disagg_min_uncached_tokens,
+                              prefill_busy_frac=args.disagg_prefill_busy_frac),
     )
     own_key = args.api_keys.write_keys[0] if args.api_keys is not None else None
     config = EppConfig(

@@ -129,7 +129,10 @@ class Booking:
         max_output_tokens: int | None = None,
         on_unobserved: Callable[[Booking], None] | None = None,
         expected_output_tokens: int | None = None,
+        counted: bool = True,
     ) -> None:
+        """`counted`: the booking is a request's own (in the in-flight and end metrics); False
+        for the prefill half of a disaggregated request, booked beside its decode booking."""
         self.slot_tracker = slot_tracker  # None: the slot tracker was away at the pick: own counts only
         self._immediate = getattr(slot_tracker, "immediate", False)  # in-process: each call made at once
         self.metrics = metrics
@@ -149,6 +152,7 @@ class Booking:
         # The answer's expected length (`nvext.agent_hints.osl`): the slot tracker decays its
         # output blocks toward it.
         self.expected_output_tokens = expected_output_tokens
+        self.counted = counted
         self.unobserved_since: float | None = None  # time.monotonic() when the gateway stopped showing chunks
         self._seen_tokens = 0  # output tokens counted from chunks before that
         self.prefilled = False
@@ -163,7 +167,8 @@ class Booking:
         self._blocks_queued = False  # an /output_blocks call waits in the queue
         self._blocks_sent = 0
         in_flight.add(target.rank, new_prefill_tokens, self._prompt_blocks)
-        metrics.in_flight.inc()
+        if counted:
+            metrics.in_flight.inc()
         if slot_tracker is not None:
             self._then(self._add)
 
@@ -278,8 +283,9 @@ class Booking:
         if self.ended is not None:
             return
         self.ended = reason
-        self.metrics.ends.labels(reason).inc()
-        self.metrics.in_flight.dec()
+        if self.counted:
+            self.metrics.ends.labels(reason).inc()
+            self.metrics.in_flight.dec()
         self.in_flight.remove(self.target.rank, 0 if self.prefilled else self.new_prefill_tokens,
                               self._prompt_blocks + self.output_blocks)
         if self.slot_tracker is not None:

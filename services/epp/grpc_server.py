@@ -366,7 +366,8 @@ class _Stream:
                         clear_route_cache=True,
                         header_mutation=pb.HeaderMutation(
                             set_headers=_set_headers(set_headers),
-                            remove_headers=[k for k in client_gateway if k not in set_headers],
+                            remove_headers=[k for k in (*client_gateway, *pick.remove_headers)
+                                            if k not in set_headers],
                         ),
                     )
                 ),

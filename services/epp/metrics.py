@@ -41,6 +41,10 @@ class EppMetrics:
             prefix + "access_log_entries", "Envoy access log entries received: ended (an answer handed over), alive "
             "(a periodic entry of one still running), not_awaited (any other request)", ["outcome"],
             registry=registry)
+        self.disagg_decisions = Counter(
+            prefix + "disagg_decisions", "requests of a model with prefill endpoints, by whether they were prefilled "
+            "on one: disaggregated, or aggregated on the decode endpoint because the prompt's uncached tokens were "
+            "few (short) or every prefill endpoint was busy (prefill_busy)", ["reason"], registry=registry)
         self.output_estimates = Counter(
             prefix + "output_estimates", "estimates of the output of answers the picker no longer sees (the "
             "access-log configuration), one per answer and estimator pass", registry=registry)

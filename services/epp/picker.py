@@ -60,8 +60,9 @@ from dynamo_lite.scheduling.cycle import FILTER_BUSY, FILTER_SATURATED
 from dynamo_lite.scheduling.model import RankKey
 
 from .booking import Booking, BookingTarget, InFlight
+from .disagg import PREFILLER_HEADER, DisaggSettings, PrefillChoice, PrefillRank, choose_prefill
 from .metrics import EppMetrics
-from .pool import PoolEndpoint
+from .pool import PREFILL, PoolEndpoint
 from .prompt import PromptReader, parse_body
 from .protocol import NullTracker, Pick, PickError, RequestInfo
 from .queue import AdmissionQueue, QueuedRequest, QueuePolicy, QueueRefused, RequestQueue
@@ -78,6 +79,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
 DEFAULT_FALLBACKS = 2
 LOAD_REFRESH_SECS = 0.05  # while requests wait in the queue, how often the loads are re-read
 DEFAULT_OUTPUT_ESTIMATE_SECS = 1.0
+PREFILL_BOOKING_SUFFIX = ":prefill"  # the slot tracker id of a disaggregated request's prefill booking
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,8 @@ class PickerSettings:
     # How often the output of answers the gateway no longer shows (the access-log configuration)
     # is re-estimated, and so how often each sends /output_blocks while its estimate grows.
     output_estimate_secs: float = DEFAULT_OUTPUT_ESTIMATE_SECS
+    # When a request is prefilled on a prefill endpoint (pools with `role: prefill`; disagg.py).
+    disagg: DisaggSettings = DisaggSettings()
 
 
 def expected_output_tokens(data: dict[str, Any]) -> int | None:
@@ -177,6 +181,7 @@ class KvPicker:
         self.rng = random.Random(settings.seed)
         self.in_flight = InFlight()
         self.bookings: dict[str, Booking] = {}
+        self.prefill_bookings: dict[str, Booking] = {}  # request id -> the prefill half of a disaggregated one
         self._round_robin = itertools.count()
         self._slot_tracker_state = _Streak("slot tracker", metrics)
         self._indexer_state = _Streak("indexer", metrics)
@@ -203,6 +208,11 @@ class KvPicker:
         if gone:
             self.scheduler.forget(gone)
         self._queue.poke()
+
+    def _info(self, endpoint: PoolEndpoint) -> RankInfo:
+        """What the scheduler knows of an endpoint's rank (one the pool has just dropped: its file's values)."""
+        return self._infos.get(endpoint.rank_key) or RankInfo(endpoint.worker_id, endpoint.dp_rank,
+                                                              endpoint.total_kv_blocks, endpoint.max_num_batched_tokens)
 
     def set_context_length(self, address: str, tokens: int) -> None:
         """An engine reported its context length (vLLM's `max_model_len`)."""
@@ -280,12 +290,18 @@ class KvPicker:
             return self._pick_without_body(request)
         data = parse_body(request.body)
         model = data["model"]
-        candidates = self._candidates(model, request.subset)
+        serving = self._candidates(model, request.subset)
+        # The destination is a decode (or aggregated) endpoint; prefill endpoints only prefill.
+        candidates = [endpoint for endpoint in serving if endpoint.role != PREFILL]
+        if not candidates:
+            raise PickError(503, f"no decode or aggregated endpoint serves {model!r} (only prefill endpoints)")
         block_size = candidates[0].block_size
         candidates = [endpoint for endpoint in candidates if endpoint.block_size == block_size]
         prompt = await self.prompts.read(request.path, data, self._max_prompt_tokens(candidates))
         lora_name = model if model != candidates[0].model else None
         tenant = candidates[0].tenant_id
+        prefills = [endpoint for endpoint in serving if endpoint.role == PREFILL and endpoint.block_size == block_size
+                    and endpoint.model == candidates[0].model and endpoint.tenant_id == tenant]
         local = local_block_hashes(prompt.token_ids, block_size, lora_name=lora_name)
         # The hashes are u64 by construction: the list form converts only those past i64 (a
         # quarter of the 33 us the per-hash function took for 4,096 tokens).
@@ -299,8 +315,8 @@ class KvPicker:
         arrival = deadline = 0.0
         try:
             while True:
-                selection, outcome = await self._select(scheduling, candidates, candidates[0].model, tenant,
-                                                        signed_local, signed_seq)
+                selection, outcome, prefill_ranks = await self._select(
+                    scheduling, candidates, candidates[0].model, tenant, signed_local, signed_seq, prefills)
                 if selection is not None:
                     break
                 if self.settings.queue_threshold is None:
@@ -323,8 +339,9 @@ class KvPicker:
             # The candidates as they were when the pick began: a pool re-read meanwhile does not
             # take an endpoint from under a decision made with it.
             by_rank = {endpoint.rank_key: endpoint for endpoint in candidates}
+            prefill = self._prefill_choice(isl, ordered[0], prefill_ranks) if prefills else None
             return self._book(request, tenant, ordered, by_rank, signed_seq, signed_local, isl, block_size, outcome,
-                              selection, scheduling, max_output_tokens(data))
+                              selection, scheduling, max_output_tokens(data), prefill)
         finally:
             if queued:
                 # Booked (or refused): the queue may release the next request.
@@ -363,9 +380,11 @@ class KvPicker:
         return ordered[start:] + ordered[:start]
 
     async def _select(self, request: SchedulingRequest, candidates: list[PoolEndpoint], model: str, tenant: str,
-                      local: list[int], seq: list[int]) -> tuple[Selection | None, str]:
-        """Read both services and run the scheduling cycle; (None, outcome) when every candidate
-        is busy or saturated (the caller queues the request)."""
+                      local: list[int], seq: list[int],
+                      prefills: list[PoolEndpoint]) -> tuple[Selection | None, str, list[PrefillRank]]:
+        """Read both services and run the scheduling cycle over the candidates; (None, outcome)
+        when every candidate is busy or saturated (the caller queues the request). The same
+        readings give the `prefills`' cached tokens and booked prefill (none: an empty list)."""
         readings = await self.state.read(model, tenant, local, seq)
         for error in (readings.indexer_error, readings.tracker_error):
             if isinstance(error, ServiceStatusError) and error.status == 413:
@@ -385,9 +404,31 @@ class KvPicker:
             selection = self.scheduler.schedule(request, loads, self._infos)
         except AllBusy as busy:
             self._note_busy(busy.costs)
-            return None, outcome
+            return None, outcome, []
         self._note_busy(selection.costs)
-        return selection, outcome
+        return selection, outcome, self._prefill_ranks(readings, prefills, tracker_up) if prefills else []
+
+    def _prefill_ranks(self, readings: RankReadings, prefills: list[PoolEndpoint],
+                       tracker_up: bool) -> list[PrefillRank]:
+        """The prefill endpoints' cached tokens (indexer) and booked prefill (slot tracker; this
+        picker's own counts for a rank it does not list, or while it is away)."""
+        booked = {row.key: row.active_prefill_tokens
+                  for row in readings.rank_loads([endpoint.rank_key for endpoint in prefills])} if tracker_up else {}
+        return [PrefillRank(endpoint, readings.cached.get(endpoint.rank_key, 0),
+                            booked.get(endpoint.rank_key, self.in_flight.get(endpoint.rank_key).prefill_tokens))
+                for endpoint in prefills]
+
+    def _prefill_choice(self, isl: int, chosen: RankCost, ranks: list[PrefillRank]) -> PrefillChoice | None:
+        """Whether the request is prefilled on a prefill endpoint, and which (disagg.py); the
+        ranks rotated so that equal ones take turns."""
+        if ranks:
+            start = next(self._round_robin) % len(ranks)
+            ranks = ranks[start:] + ranks[:start]
+        choice, reason = choose_prefill(
+            isl, chosen.uncached_tokens, ranks, self.settings.disagg,
+            busy=lambda rank: self.scheduler.config.busy.busy(self._info(rank.endpoint), rank.prefill_tokens, 0))
+        self.metrics.disagg_decisions.labels(reason).inc()
+        return choice
 
     def _note_busy(self, costs: list[RankCost]) -> None:
         for cost in costs:
@@ -424,9 +465,11 @@ class KvPicker:
     # --- the queue ---------------------------------------------------------------------------
 
     def _has_capacity(self) -> bool:
-        """Whether some rank looked open at the last look (a pick, or a load refresh while
-        requests wait): the queue releases its next request then, which looks again."""
-        return any(not self._rank_busy.get(endpoint.rank_key, False) for endpoint in self.pool)
+        """Whether some destination rank (not a prefill one) looked open at the last look (a
+        pick, or a load refresh while requests wait): the queue releases its next request then,
+        which looks again."""
+        return any(not self._rank_busy.get(endpoint.rank_key, False) for endpoint in self.pool
+                   if endpoint.role != PREFILL)
 
     def _busy_by_load(self, endpoint: PoolEndpoint, prefill_tokens: int, decode_blocks: int) -> bool:
         """The scheduler's busy and saturation filters, from a rank's current load (a new request
@@ -489,7 +532,11 @@ class KvPicker:
     def _book(self, request: RequestInfo, tenant: str, ordered: list[RankCost],
               by_rank: dict[tuple[int, int], PoolEndpoint], seq: list[int], local: list[int], isl: int,
               block_size: int, outcome: str, selection: Selection, scheduling: SchedulingRequest,
-              max_output: int | None) -> Pick:
+              max_output: int | None, prefill: PrefillChoice | None = None) -> Pick:
+        """Book the pick. Disaggregated (`prefill`), the decode rank is booked with the prompt's
+        blocks (cached there once read from the prefill engine) and no prefill tokens, and the
+        prefill rank beside it with the prompt's blocks and the tokens it does not cache, until
+        the decode engine's first token (the prefill is done by then) or the request's end."""
         chosen = ordered[0]
         self.scheduler.booked(selection, scheduling, self._infos, rank=chosen.key)
         picked_at = time.monotonic()
@@ -510,17 +557,29 @@ class KvPicker:
         booking = Booking(
             slot_tracker=self.state.booker if tracker_up else None, metrics=self.metrics, in_flight=self.in_flight,
             request_id=request_id, model=endpoint.model, tenant_id=tenant, target=target, fallbacks=fallbacks,
-            sequence_hashes=seq, new_prefill_tokens=max(isl - chosen.cached_tokens, 0), block_size=block_size,
-            on_end=lambda: self._ended(request_id),
+            sequence_hashes=seq, new_prefill_tokens=0 if prefill else max(isl - chosen.cached_tokens, 0),
+            block_size=block_size, on_end=lambda: self._ended(request_id),
             on_prefilled=lambda: self._first_token(booking, chosen, picked_at),
             max_output_tokens=max_output, on_unobserved=self._estimate_from_now,
             expected_output_tokens=scheduling.expected_output_tokens,
         )
         self.bookings[request_id] = booking
-        if endpoint.kv_events_endpoint is None and outcome in ("kv", "overlap_only"):
-            task = asyncio.get_running_loop().create_task(self._record(endpoint, local, tenant))
-            self._settling.add(task)  # held until done: the loop keeps only weak references
-            task.add_done_callback(self._settling.discard)
+        recorded = [endpoint]
+        if prefill is not None:
+            prefiller = prefill.endpoint
+            self.prefill_bookings[request_id] = Booking(
+                slot_tracker=booking.slot_tracker, metrics=self.metrics, in_flight=self.in_flight,
+                request_id=request_id + PREFILL_BOOKING_SUFFIX, model=prefiller.model, tenant_id=tenant,
+                target=BookingTarget(prefiller.worker_id, prefiller.dp_rank, prefiller.address), fallbacks={},
+                sequence_hashes=seq, new_prefill_tokens=prefill.uncached_tokens, block_size=block_size,
+                on_end=lambda: None, counted=False,
+            )
+            recorded.append(prefiller)
+        for engine in recorded:
+            if engine.kv_events_endpoint is None and outcome in ("kv", "overlap_only"):
+                task = asyncio.get_running_loop().create_task(self._record(engine, local, tenant))
+                self._settling.add(task)  # held until done: the loop keeps only weak references
+                task.add_done_callback(self._settling.discard)
         headers = {
             "x-data-parallel-rank": str(endpoint.dp_rank),  # vLLM's header: the rank behind one server
             "x-dynamo-worker-instance-id": str(endpoint.worker_id),
@@ -528,10 +587,15 @@ class KvPicker:
             "x-dynamo-routing-mode": outcome,
             "x-request-id": request_id,
         }
+        remove: tuple[str, ...] = ()
+        if prefill is not None:
+            headers[PREFILLER_HEADER] = prefill.endpoint.address
+        elif PREFILLER_HEADER in request.headers:
+            remove = (PREFILLER_HEADER,)  # the picker decides where a request is prefilled, not its client
         if logger.isEnabledFor(logging.DEBUG):  # the formula is costly to write: only when it is logged
             logger.debug("request %s -> %s (%s)", request_id, endpoint.address, chosen.formula(),
                          extra={"fields": {"request_id": request_id, "endpoint": endpoint.address, "outcome": outcome}})
-        return Pick(endpoints=addresses, headers=headers, tracker=booking)
+        return Pick(endpoints=addresses, headers=headers, tracker=booking, remove_headers=remove)
 
     async def _record(self, endpoint: PoolEndpoint, local: list[int], tenant: str) -> None:
         """An engine without KV events: the indexer approximates its cache from the picks."""
@@ -543,9 +607,24 @@ class KvPicker:
 
     def _first_token(self, booking: Booking, chosen: RankCost, picked_at: float) -> None:
         """The engine's first token: the scheduler learns how long the rank took (unless the
-        gateway served the request elsewhere, which the cost did not describe)."""
+        gateway served the request elsewhere, which the cost did not describe, or another engine
+        prefilled it); a prefill engine's booking for it ends."""
+        if self._end_prefill(booking.request_id):
+            return
         if booking.target.rank == chosen.key:
             self.scheduler.first_token(chosen, time.monotonic() - picked_at)
+
+    def _end_prefill(self, request_id: str) -> bool:
+        """End a disaggregated request's prefill booking; False when it has none (any more)."""
+        prefill = self.prefill_bookings.pop(request_id, None)
+        if prefill is None:
+            return False
+        prefill.end("prefilled")
+        task = prefill.last_call
+        if task is not None and not task.done():
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+        return True
 
     # --- answers the gateway no longer shows: their output estimated -------------------------
 
@@ -572,6 +651,7 @@ class KvPicker:
             self.metrics.output_estimates.inc(len(self._unobserved))
 
     def _ended(self, request_id: str) -> None:
+        self._end_prefill(request_id)  # ended before its first token (cancelled, an error)
         booking = self.bookings.pop(request_id, None)
         self._queue.poke()
         if booking is not None:

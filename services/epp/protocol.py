@@ -97,6 +97,7 @@ class Pick:
     headers: dict[str, str]  # extra request headers to set toward the engine
     tracker: RequestTracker
     body: bytes | None = None  # a replacement body (None: the original one is re-sent)
+    remove_headers: tuple[str, ...] = ()  # request headers (lower-case) to remove toward the engine
 
 
 class Picker(Protocol):
