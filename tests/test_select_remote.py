@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from support.reference_server import ServerURL, free_port, running_service
-from test_select_service import BLOCK, MODEL, engine, wait_until
+from support.select_support import BLOCK, MODEL, engine, wait_until
 
 from dynamo_lite.client import OverlapScores
 from dynamo_lite.select_service.remote import _query_result

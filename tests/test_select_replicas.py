@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from support.nats_support import NatsServer
 from support.reference_server import ServerURL, running_service
-from test_select_service import BLOCK, MODEL, engine, wait_until
+from support.select_support import BLOCK, MODEL, engine, wait_until
 
 
 def loads_of(tracker: ServerURL) -> dict[int, dict[str, int]]:

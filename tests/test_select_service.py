@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -17,24 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from support.reference_server import ServerURL, free_port, running_server, running_service
-
-BLOCK = 16
-MODEL = "mock"
-
-
-def engine(stack: ExitStack) -> dict[str, Any]:
-    """An engine stand-in publishing vLLM's KV events; returns its worker record's fields."""
-    port, events, replay = free_port(), free_port(), free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}",
-              "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
-    argv = [sys.executable, "-m", "dynamo_lite.mock_engine", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warning", "--speedup-ratio", "50", "--block-size", str(BLOCK),
-            "--kv-events-config", json.dumps(config)]
-    url = stack.enter_context(running_server(argv, port))
-    return {"model_name": MODEL, "endpoint": str(url), "block_size": BLOCK,
-            "kv_events_endpoint": f"tcp://127.0.0.1:{events}", "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-            "max_num_batched_tokens": 8192, "total_kv_blocks": 1024}
+from support.reference_server import ServerURL, running_service
+from support.select_support import BLOCK, MODEL, engine, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +26,6 @@ def fleet() -> Iterator[tuple[ServerURL, list[dict[str, Any]]]]:
         engines = [engine(stack) for _ in range(2)]
         service = stack.enter_context(running_service("select_service"))
         yield service, engines
-
-
-def wait_until(check: Any, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_one_call_per_request_finds_the_engine_that_caches_the_prompt(

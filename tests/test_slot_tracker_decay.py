@@ -1,17 +1,33 @@
 """Output blocks that decay toward the expected output length (`expected_output_tokens` on
 `/add`, the router guide's decay toward `nvext.agent_hints.osl`): in the core, through a dump
-and restore, over replication, over HTTP and through `KvRouter`'s commit."""
+and restore, over replication, and over HTTP with the client."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_slot_tracker_replication import MODEL, TENANT, publish, replica
 
 from dynamo_lite.slot_tracker.core import SlotTracker, decayed_output
+from dynamo_lite.slot_tracker.replication import Batch, Replica, decode_message, encode
 
 BLOCK = 16
+MODEL, TENANT = "m", "default"
+
+
+def replica(origin: int) -> Replica:
+    t = SlotTracker(request_ttl_secs=300, clock=lambda: 0.0)
+    t.register(1, MODEL, TENANT, BLOCK, 0, 1)
+    return Replica(t, origin=origin, wall_clock=lambda: 0.0)
+
+
+def publish(source: Replica) -> Batch:
+    """The replica's outbox through the wire format, as the shell sends it."""
+    taken = source.take_outbox()
+    assert taken is not None
+    batch = decode_message(encode(taken))
+    assert isinstance(batch, Batch)
+    return batch
 
 
 def decode_blocks(tracker: SlotTracker, worker_id: int = 1) -> int:
