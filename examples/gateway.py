@@ -28,6 +28,7 @@ from pathlib import Path
 from dynamo_lite.cli import HelpFormatter
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceStatusError, TransportError
 from dynamo_lite.routing import KvRouter, NoWorkerAvailable, RequestHandle
+from dynamo_lite.scheduling import ttft_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar import EngineSidecar  # noqa: E402  (the example beside this one)
@@ -36,10 +37,13 @@ BLOCK_SIZE = 16
 FLEET_SIZE = 4
 
 
-async def route(router: KvRouter, model: str, request_id: str, tokens: list[int]) -> RequestHandle:
-    """Pick a worker for one request and book it there (POST /add)."""
+async def route(router: KvRouter, model: str, request_id: str, tokens: list[int], session: str) -> RequestHandle:
+    """Pick a worker for one request and book it there (POST /add). `session` names the
+    conversation: the router keeps it where its cache is even while the times it learns from
+    (here a stand-in's, on a busy machine) are noisy."""
     local, chained = router.hashes_for(tokens)
-    decision = await router.select(model, isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained)
+    decision = await router.select(model, isl_tokens=len(tokens), local_hashes=local, sequence_hashes=chained,
+                                   session_id=session)
     chosen = decision.chosen
     print(f"{request_id}: {len(tokens)} tokens -> worker {decision.worker_id} "
           f"(cached {chosen.cached_tokens} tokens, cost {1000 * chosen.cost:.2f} ms; "
@@ -59,7 +63,11 @@ async def run(slot_tracker_url: str, indexer_url: str, model: str, first_worker_
                     registered.append((service, worker_id))
             engines = {worker_id: EngineSidecar(indexer, model, worker_id, block_size=BLOCK_SIZE)
                        for worker_id in fleet}
-            router = KvRouter(slot_tracker, indexer, block_size=BLOCK_SIZE, seed=0)  # the default cost
+            # The default cost, with the engines' rates as configured rather than learned: these
+            # stand-ins answer at once, so the delays the router would learn from are only this
+            # machine's noise. Against real engines leave `learn_rates` on (the default).
+            router = KvRouter(slot_tracker, indexer, block_size=BLOCK_SIZE, seed=0,
+                              config=ttft_config(learn_rates=False))
             conversations: dict[str, list[int]] = {name: [] for name in ("a", "b", "c")}
             placed: dict[str, set[int]] = {name: set() for name in conversations}
             for turn in range(3):
@@ -67,9 +75,8 @@ async def run(slot_tracker_url: str, indexer_url: str, model: str, first_worker_
                 handles = {}
                 for name, history in conversations.items():
                     history += [rng.randrange(32_000) for _ in range(64)]  # the user's next message
-                    handles[name] = await route(router, model, f"{name}-{turn}", list(history))
-                for handle in handles.values():
-                    await handle.prefill_complete()  # each engine streamed its first token
+                    handles[name] = await route(router, model, f"{name}-{turn}", list(history), name)
+                    await handles[name].prefill_complete()  # its engine streamed the first token
                 if turn == 0:
                     for load in await slot_tracker.loads(model):
                         print(f"  worker {load.worker_id}: {load.active_decode_blocks} decode blocks, "

@@ -168,8 +168,8 @@ def test_the_walkthrough_the_examples_and_the_simulator_run_at_once_on_the_same_
     running["simulator"] = simulator
     failed = {}
     for name, process in running.items():
-        _, err = process.communicate(timeout=300)
+        out, err = process.communicate(timeout=300)
         if process.returncode != 0:
-            failed[name] = (process.returncode, err[-2000:])
+            failed[name] = (process.returncode, err[-2000:], out[-2000:])
     assert not failed, failed
     assert_left_clean(services)
