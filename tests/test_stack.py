@@ -12,9 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+import yaml
 from support.docs_support import marked_blocks
 from support.envoy_support import envoy_binary
+from support.pd_support import metric
 from support.reference_server import listening
 
 PORTS = (8081, 8090, 8091, 8000, 8001, 9002, 9003, 9901)
@@ -65,3 +68,60 @@ def test_the_stack_comes_up_answers_as_the_walkthrough_says_and_stops(tmp_path: 
     time.sleep(0.5)
     assert [port for port in PORTS if listening(port)] == []
     assert not workdir.exists()  # a clean stop leaves no temporary folder
+
+
+PD_PORTS = (8081, 8090, 8091, 8000, 8001, 8002, 8003, 8004, 9002, 9003, 9901)
+
+
+def test_the_stack_runs_a_disaggregated_fleet(tmp_path: Path) -> None:
+    """`--prefill 1 --decode 2`: a long uncached prompt is prefilled on the prefill engine (8000)
+    and decoded behind a decode engine's sidecar (8003 or 8004); nothing stays booked."""
+    busy = [port for port in PD_PORTS if listening(port)]
+    if busy:
+        pytest.skip(f"ports the stack uses are taken: {busy}")
+    process = subprocess.Popen([sys.executable, "-m", "dynamo_lite.stack", "--prefill", "1", "--decode", "2",
+                                "--workdir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        assert process.stdout is not None
+        while not any(line.startswith("the gateway:") for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            lines.append(process.stdout.readline())
+        pool = yaml.safe_load((tmp_path / "pool.yaml").read_text())
+        assert [(entry["address"], entry["role"]) for entry in pool] == [
+            ("127.0.0.1:8000", "prefill"), ("127.0.0.1:8003", "decode"), ("127.0.0.1:8004", "decode")]
+        assert pool[1]["kv_events_endpoint"] == "tcp://127.0.0.1:5567" and pool[1]["total_kv_blocks"] > 0
+
+        prefill = "http://127.0.0.1:8000"
+        before = metric(prefill, "dynamo_lite_mock_engine_remote_decode_requests_total")
+        client = openai.OpenAI(base_url="http://127.0.0.1:8081/v1", api_key="unused", max_retries=0, timeout=30)
+        raw = client.completions.with_raw_response.create(model="mock", prompt=list(range(1000, 3200)), max_tokens=4)
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-dynamo-lite-engine"] in ("127.0.0.1:8003", "127.0.0.1:8004")  # a decode sidecar
+        assert raw.parse().usage.completion_tokens == 4
+        assert metric(prefill, "dynamo_lite_mock_engine_remote_decode_requests_total") == before + 1
+        decoded = sum(metric(f"http://127.0.0.1:{port}", "dynamo_lite_mock_engine_remote_prefill_requests_total")
+                      for port in (8001, 8002))
+        assert decoded == 1  # a decode engine read the prefill engine's blocks
+        deadline = time.monotonic() + 10
+        while httpx.get("http://127.0.0.1:8091/dump").json()["partitions"][0]["requests"]:
+            assert time.monotonic() < deadline, "bookings left on the slot tracker"
+            time.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    assert process.returncode == 0
+    time.sleep(0.5)
+    assert [port for port in PD_PORTS if listening(port)] == []
+
+
+@pytest.mark.parametrize(("flags", "wording"), [
+    (["--prefill", "1"], "--prefill needs --decode"),
+    (["--decode", "1"], "--decode needs --prefill"),
+    (["--engines", "2", "--prefill", "1", "--decode", "1"], "do not mix"),
+])
+def test_the_stack_refuses_half_a_disaggregated_fleet(flags: list[str], wording: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "dynamo_lite.stack", *flags], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2 and wording in result.stderr, result.stderr
