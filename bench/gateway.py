@@ -1,10 +1,10 @@
 """The gateway benchmark: Envoy + the endpoint picker, end to end, every part a real process.
 
-    python -m bench.gateway                    # the full run (about 40 minutes), into bench/out/gateway
+    python -m bench.gateway                    # the full run (about 45 minutes), into bench/out/gateway
     python -m bench.gateway --quick            # a smoke run of every path (a few minutes), into a temp dir
     python -m bench.gateway --parts routing --workloads chat --rates 1 3
     python -m bench.gateway --parts cost       # one part (routing, disaggregated, cost, states, profile), into a temp dir
-    python -m bench.gateway --disaggregated    # aggregated vs prefill/decode fleets (about 8 minutes), into a temp dir
+    python -m bench.gateway --disaggregated    # aggregated vs prefill/decode fleets (about 5 minutes), into a temp dir
 
 Three questions, one run:
 
