@@ -1,11 +1,12 @@
 """The gateway benchmark: Envoy + the endpoint picker, end to end, every part a real process.
 
-    python -m bench.gateway                    # the full run (about 40 minutes), into bench/out/gateway
+    python -m bench.gateway                    # the full run (about 45 minutes), into bench/out/gateway
     python -m bench.gateway --quick            # a smoke run of every path (a few minutes), into a temp dir
     python -m bench.gateway --parts routing --workloads chat --rates 1 3
-    python -m bench.gateway --parts cost       # one part (routing, cost, profile), into a temp dir
+    python -m bench.gateway --parts cost       # one part (routing, disaggregated, cost, states, profile), into a temp dir
+    python -m bench.gateway --disaggregated    # aggregated vs prefill/decode fleets (about 5 minutes), into a temp dir
 
-Two questions, one run:
+Three questions, one run:
 
 1. **Routing quality** on a fleet-sized gateway (bench/gateway_routing.py): the Mooncake
    conversation trace's first 2,000 requests and a multi-turn chat, each at its base rate and at
@@ -13,7 +14,11 @@ Two questions, one run:
    prompt blocks; routed by the picker (its defaults, and `--cost dynamo`) and by Envoy's own
    ROUND_ROBIN and LEAST_REQUEST; beside each, the simulator's numbers for the same run and the
    bound (one endless cache). Fresh processes (empty caches) for each policy.
-2. **The picker's own cost.** (a) the latency it adds: one small streamed request at a fixed
+2. **Disaggregated fleets** (bench/gateway_disagg.py, issue 38): the Mooncake trace's long
+   prompts on K engine stand-ins (default 4) aggregated, then on K/2 prefill + K/2 decode ones
+   (the decode ones behind P/D sidecars, the KV transfer timed from a stated bandwidth): TTFT,
+   ITL, output tokens/s and the picker's disaggregation decisions of each.
+3. **The picker's own cost.** (a) the latency it adds: one small streamed request at a fixed
    open-loop rate through Envoy with the picker and through Envoy ROUND_ROBIN without ext_proc,
    on engines made nearly free; (b) its CPU seconds per request (/proc/<pid>/stat); (c) its CPU
    per 256-token answer streamed one token per chunk, as vLLM streams by default (engines at
@@ -51,8 +56,9 @@ from typing import Any
 import orjson
 import uvloop
 
-from . import gateway_profile, gateway_routing, gateway_states
+from . import gateway_disagg, gateway_profile, gateway_routing, gateway_states
 from .gateway_chat import ChatShape
+from .gateway_disagg import DisaggSettings
 from .gateway_load import Outcome, Planned, closed_loop, open_loop, summarise
 from .gateway_routing import RoutingSettings
 from .gateway_stack import (
@@ -91,6 +97,7 @@ PICKER_CONFIGS = {
 @dataclass(frozen=True)
 class Settings:
     routing: RoutingSettings = RoutingSettings()
+    disaggregated: DisaggSettings = DisaggSettings()
     # Part 2 (a): the added latency, engines made nearly free.
     fast_speedup: float = 1000.0
     # Part 2 (c): answers streamed one token per chunk. At 1000x the engines emit tokens faster
@@ -119,7 +126,7 @@ class Settings:
         2-3 s windows."""
         routing = RoutingSettings(rates=(1.0,), mooncake_requests=200,
                                   chat=ChatShape(conversations=12, turns=3, system_tokens=64, min_gap=6))
-        return cls(routing=routing, latency_seconds=2.0, latency_rounds=1, throughput_seconds=3.0,
+        return cls(routing=routing, disaggregated=DisaggSettings(requests=60, span_s=20.0), latency_seconds=2.0, latency_rounds=1, throughput_seconds=3.0,
                    bookkeeping_seconds=2.0, profile_seconds=3.0, quick=True)
 
 
@@ -430,6 +437,8 @@ def markdown(results: dict[str, Any]) -> str:
     routing = results.get("routing")
     if routing:
         lines += gateway_routing.markdown(routing)
+    if results.get("disaggregated"):
+        lines += gateway_disagg.markdown(results["disaggregated"])
     cost = results.get("picker_cost")
     if cost:
         latency = cost["latency"]
@@ -508,9 +517,10 @@ def _format_ends(ends: dict[str, int]) -> str:
 # --- the command ---------------------------------------------------------------------------------
 
 
-# The run's parts, in order: routing quality, then the picker's cost, its added latency with the
-# state in the services and in its own process, and its profile.
-PARTS = ("routing", "cost", "states", "profile")
+# The run's parts, in order: routing quality, aggregated against disaggregated fleets, then the
+# picker's cost, its added latency with the state in the services and in its own process, and its
+# profile.
+PARTS = ("routing", "disaggregated", "cost", "states", "profile")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -536,9 +546,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"where gateway.json and gateway.md go (default {DEFAULT_OUT.relative_to(BENCH_DIR.parent)}; "
                              "with --quick or --parts a temporary directory, as python -m bench does, so a smoke "
                              "or partial run never replaces a full run's numbers)")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), metavar="PART",
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=None, metavar="PART",
                         help=f"what to run, of {', '.join(PARTS)} (default: all)")
+    disagg = parser.add_argument_group("the disaggregated part (issue 38)")
+    disagg.add_argument("--disaggregated", action="store_true",
+                        help="run the disaggregated part only (the same as --parts disaggregated): K aggregated "
+                             "engines, then K/2 prefill + K/2 decode, on the trace's long prompts")
+    disagg.add_argument("--disagg-engines", type=int, default=None, metavar="K",
+                        help="engines in each fleet of the disaggregated part (default 4; even)")
+    disagg.add_argument("--disagg-requests", type=int, default=None, metavar="N",
+                        help="long-prompt requests replayed per fleet (default 600; 60 with --quick)")
+    disagg.add_argument("--disagg-seconds", type=float, default=None, metavar="S",
+                        help="the long-prompt slice's arrivals spread over S seconds (default 150; 20 with --quick)")
+    disagg.add_argument("--disagg-min-input-tokens", type=int, default=None, metavar="T",
+                        help="a long prompt: at least T input tokens in the trace (default 8192)")
+    disagg.add_argument("--kv-transfer-bandwidth-gbps", type=float, default=None, metavar="GBPS",
+                        help="the stand-ins' KV transfer bandwidth (default 200, the stand-in's)")
     args = parser.parse_args(argv)
+    if args.disaggregated:
+        if args.parts is not None and args.parts != ["disaggregated"]:
+            parser.error("--disaggregated is --parts disaggregated: give one or the other")
+        args.parts = ["disaggregated"]
+    elif args.parts is None:
+        args.parts = list(PARTS)
+    if args.disagg_engines is not None and (args.disagg_engines < 2 or args.disagg_engines % 2):
+        parser.error("--disagg-engines must be even and at least 2")
+    for flag in ("disagg_requests", "disagg_min_input_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("disagg_seconds", "kv_transfer_bandwidth_gbps"):
+        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
     if args.requests is not None and args.requests < 1:
         parser.error("--requests must be at least 1")
     if args.engines is not None and args.engines < 2:
@@ -558,6 +596,14 @@ def routing_settings(settings: Settings, args: argparse.Namespace) -> Settings:
             changes[flag] = tuple(getattr(args, flag))
     if args.no_sim:
         changes["simulate"] = False
+    disagg: dict[str, Any] = {}
+    for flag, field_name in (("disagg_engines", "engines"), ("disagg_requests", "requests"),
+                             ("disagg_seconds", "span_s"), ("disagg_min_input_tokens", "min_input_tokens"),
+                             ("kv_transfer_bandwidth_gbps", "bandwidth_gbps"), ("trace", "trace")):
+        if getattr(args, flag, None) is not None:
+            disagg[field_name] = getattr(args, flag)
+    if disagg:
+        settings = replace(settings, disaggregated=replace(settings.disaggregated, **disagg))
     return replace(settings, routing=replace(settings.routing, **changes)) if changes else settings
 
 
@@ -587,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "routing" in args.parts:
             results["routing"] = gateway_routing.routing(settings.routing, run, started_stack)
+        if "disaggregated" in args.parts:
+            results["disaggregated"] = gateway_disagg.disaggregated(settings.disaggregated, run, started_stack)
         if "cost" in args.parts:
             results["picker_cost"] = picker_cost(settings)
         if "states" in args.parts:

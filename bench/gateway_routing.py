@@ -190,6 +190,8 @@ def _row(summary_fields: dict[str, Any], outcomes: Sequence[Outcome], wall: floa
     prompt = summary_fields["prompt_tokens"]
     return {**summary_fields, "hit_ratio": summary_fields["cached_tokens"] / prompt if prompt else 0.0,
             "conversation_hit_ratio": beyond / prompt if prompt else 0.0, "itl_p50_ms": percentile(gaps, 50),
+            "itl_p99_ms": percentile(gaps, 99), "itl_p999_ms": percentile(gaps, 99.9),
+            "itl_mean_ms": sum(gaps) / len(gaps) if gaps else None,
             "output_tokens_per_s": summary_fields["completion_tokens"] / wall if wall else 0.0, "wall_s": wall,
             "engine_shares": shares}
 
@@ -205,7 +207,10 @@ def engine_counts(stack: GatewayStack) -> list[float]:
 
 
 def real_run(settings: RoutingSettings, workload: Workload, policy: Policy, engines: EngineSettings,
-             run: Callable[[Any], Any], started_stack: Callable[..., Any]) -> dict[str, Any]:
+             run: Callable[[Any], Any], started_stack: Callable[..., Any],
+             measure: Callable[[GatewayStack], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One fresh stack, the workload through it; `measure` reads more from the stack at the end
+    (into the row)."""
     with started_stack(engines=settings.engines, engine_settings=engines, variants=(policy.variant,),
                        picker_flags=policy.picker_flags) as stack:
         cpu_before = stack.picker_cpu_seconds() if stack.picker_pid else 0.0
@@ -213,9 +218,11 @@ def real_run(settings: RoutingSettings, workload: Workload, policy: Policy, engi
         picker_cpu = (stack.picker_cpu_seconds() - cpu_before) / len(outcomes) if stack.picker_pid else None
         counts = engine_counts(stack)
         left, _ = stack.wait_idle(settings.idle_timeout) if stack.picker_pid else (0, 0.0)
+        measured = measure(stack) if measure is not None else {}
     total = sum(counts) or 1.0
     row = _row(asdict(summarise(outcomes)), outcomes, wall, [count / total for count in counts], workload.first_tokens)
-    row.update(picker_cpu_ms_per_request=None if picker_cpu is None else 1000 * picker_cpu, booked_left=left)
+    row.update(picker_cpu_ms_per_request=None if picker_cpu is None else 1000 * picker_cpu, booked_left=left,
+               **measured)
     return row
 
 

@@ -226,6 +226,16 @@ class EngineSettings:
     speedup: float = 1.0
     num_blocks: int = 8192
     extra: list[str] = field(default_factory=list)
+    # A disaggregated fleet: each engine's role ("prefill", "decode" or "aggregated"), in order
+    # (empty: every engine aggregated, no role in the pool file). Decode engines get a P/D sidecar
+    # (python -m dynamo_lite.pd_sidecar), which is their endpoint in the pool and in Envoy.
+    roles: tuple[str, ...] = ()
+    # Flags only engines with a role of prefill or decode get (the KV connector's).
+    kv_transfer: list[str] = field(default_factory=list)
+
+
+# The KV connector's role of a stand-in by its pool role (vLLM's --kv-transfer-config kv_role).
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 @dataclass
@@ -234,10 +244,17 @@ class _Engine:
     port: int
     events_port: int
     replay_port: int
+    role: str = "aggregated"
+    sidecar_port: int = 0  # a decode engine's P/D sidecar
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def endpoint(self) -> str:
+        """Where the picker and Envoy send this engine's requests: its sidecar's, if it has one."""
+        return f"127.0.0.1:{self.sidecar_port}" if self.sidecar_port else self.address
 
 
 class GatewayStack:
@@ -257,7 +274,11 @@ class GatewayStack:
         self.engine_settings = engine_settings
         self.variants = variants
         self.picker_flags = list(picker_flags)
-        self.engines = [_Engine(100 + i, free_port(), free_port(), free_port()) for i in range(engines)]
+        roles = engine_settings.roles or ("aggregated",) * engines
+        if len(roles) != engines:
+            raise ValueError(f"{len(roles)} roles for {engines} engines")
+        self.engines = [_Engine(100 + i, free_port(), free_port(), free_port(), role,
+                                free_port() if role == "decode" else 0) for i, role in enumerate(roles)]
         self.workdir = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
         self.picker_port = free_port()
         self.picker_http_port = free_port()
@@ -273,17 +294,16 @@ class GatewayStack:
                 self.indexer = self._run(self._service_argv("indexer"), ready="/health")
             for engine in self.engines:
                 self._run(self._engine_argv(engine), ready="/health", port=engine.port)
+                if engine.sidecar_port:
+                    self._run(self._sidecar_argv(engine), ready="/health", port=engine.sidecar_port)
             pool = self.workdir / "pool.json"
-            pool.write_text(json.dumps([
-                {"address": engine.address, "worker_id": engine.worker_id, "model": MODEL, "block_size": BLOCK_SIZE,
-                 "kv_events_endpoint": f"tcp://127.0.0.1:{engine.events_port}",
-                 "replay_endpoint": f"tcp://127.0.0.1:{engine.replay_port}"} for engine in self.engines]))
+            pool.write_text(json.dumps([self._pool_entry(engine) for engine in self.engines]))
             if any(variant not in (ROUND_ROBIN, LEAST_REQUEST) for variant in self.variants):
                 # /ready: the pool is registered (with both services), so the first pick can book.
                 picker = self._run(self._picker_argv(pool), ready="/ready", port=self.picker_http_port)
                 self.picker_url = str(picker)
                 self.picker_pid = picker.process.pid  # taskset execs the picker: this is its pid
-            addresses = [engine.address for engine in self.engines]
+            addresses = [engine.endpoint for engine in self.engines]
             for variant in self.variants:
                 envoy = Envoy(variant, picker_port=self.picker_port, engines=addresses)
                 self._stack.callback(envoy.stop)
@@ -319,7 +339,28 @@ class GatewayStack:
                 "--host", "127.0.0.1", "--port", str(engine.port), "--log-level", "warning",
                 "--block-size", str(BLOCK_SIZE), "--num-blocks", str(settings.num_blocks),
                 "--speedup-ratio", str(settings.speedup), "--prefix-caching-hash-seed", "0",
-                "--kv-events-config", json.dumps(events), *settings.extra]
+                "--kv-events-config", json.dumps(events), *settings.extra, *self._kv_transfer_flags(engine)]
+
+    def _kv_transfer_flags(self, engine: _Engine) -> list[str]:
+        if engine.role not in KV_ROLES:
+            return []
+        config = {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[engine.role]}
+        return ["--kv-transfer-config", json.dumps(config), *self.engine_settings.kv_transfer]
+
+    def _sidecar_argv(self, engine: _Engine) -> list[str]:
+        return ["taskset", "-c", str(CLIENT_CPU), sys.executable, "-m", "dynamo_lite.pd_sidecar",
+                "--host", "127.0.0.1", "--port", str(engine.sidecar_port), "--log-level", "warning",
+                "--decode-url", f"http://{engine.address}"]
+
+    def _pool_entry(self, engine: _Engine) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "address": engine.endpoint, "worker_id": engine.worker_id, "model": MODEL, "block_size": BLOCK_SIZE,
+            "kv_events_endpoint": f"tcp://127.0.0.1:{engine.events_port}",
+            "replay_endpoint": f"tcp://127.0.0.1:{engine.replay_port}"}
+        if self.engine_settings.roles:
+            # A decode engine's /metrics are behind its sidecar: its KV capacity comes from here.
+            entry.update(role=engine.role, total_kv_blocks=self.engine_settings.num_blocks)
+        return entry
 
     def _picker_argv(self, pool: Path) -> list[str]:
         # Alone on SERVER_CPU; warnings only (an info line per request would be part of its cost).

@@ -53,9 +53,11 @@ class TraceRequests:
 
 
 def build(records: Sequence[TraceRecord], *, tokens_per_hash_id: int, max_tokens_cap: int,
-          compression: float, path: str = "/v1/completions") -> TraceRequests:
-    """The records as open-loop requests; arrival times divided by `compression`."""
+          compression: float, path: str = "/v1/completions", output_scale: float | None = None) -> TraceRequests:
+    """The records as open-loop requests; arrival times divided by `compression`; answers scaled
+    by `output_scale` (default: as the prompts)."""
     scale = tokens_per_hash_id / MOONCAKE_BLOCK_TOKENS
+    answer_scale = scale if output_scale is None else output_scale
     arrivals = _spread(records)
     plan: list[Planned] = []
     prompt_total = max_total = 0
@@ -64,7 +66,7 @@ def build(records: Sequence[TraceRecord], *, tokens_per_hash_id: int, max_tokens
         for hash_id in record.hash_ids:
             tokens += hash_id_tokens(hash_id, tokens_per_hash_id)
         prompt = tokens[:max(1, math.ceil(record.input_length * scale))]
-        max_tokens = min(max_tokens_cap, max(1, math.ceil(record.output_length * scale)))
+        max_tokens = min(max_tokens_cap, max(1, math.ceil(record.output_length * answer_scale)))
         body = orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                              "stream_options": {"include_usage": True}})
         plan.append(Planned(arrival / compression, path, body))
