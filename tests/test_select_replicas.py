@@ -88,3 +88,24 @@ def test_replicas_need_remote_mode() -> None:
     done = subprocess.run([sys.executable, "-m", "dynamo_lite.select_service", "--nats", "nats://127.0.0.1:4222"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--slot-tracker" in done.stderr
+
+
+def test_a_catalog_change_nats_does_not_take_is_a_503_and_goes_through_when_sent_again(nats_server: NatsServer) -> None:
+    with ExitStack() as stack:
+        tracker = stack.enter_context(running_service("slot_tracker"))
+        indexer = stack.enter_context(running_service("indexer"))
+        flags = ("--slot-tracker", str(tracker), "--indexer", str(indexer), "--nats", nats_server.url)
+        first = stack.enter_context(running_service("select_service", *flags))
+        second = stack.enter_context(running_service("select_service", *flags))
+        record = {"worker_id": 7, "model_name": MODEL, "endpoint": "http://127.0.0.1:1", "block_size": BLOCK,
+                  "kv_events_endpoint": "tcp://127.0.0.1:2"}
+        removed = {**record, "worker_id": 8}
+        assert httpx.post(f"{first}/workers", json=removed).status_code == 201
+        wait_until(lambda: catalog(second) == [8])
+        nats_server.stop()
+        refused = httpx.post(f"{first}/workers", json=record, timeout=30)
+        assert refused.status_code == 503 and "not shared" in refused.json()["error"], refused.text
+        assert httpx.delete(f"{first}/workers/8", timeout=30).status_code == 200  # shared once NATS is back
+        nats_server.start()
+        wait_until(lambda: httpx.post(f"{first}/workers", json=record, timeout=30).status_code == 201, timeout=30)
+        wait_until(lambda: catalog(second) == [7], timeout=30)

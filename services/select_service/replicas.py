@@ -44,6 +44,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dynamo_lite.errors import ServiceError
 from dynamo_lite.nats_connection import ConnectionCounts, NatsCollector, NatsSecurity, connect
 
 from .core import Partition, Reservation, SelectionCore
@@ -54,6 +55,12 @@ logger = logging.getLogger("dynamo_lite.select_service")
 DEFAULT_SUBJECT_PREFIX = "dynamo_lite.select"
 DEFAULT_BUCKET_PREFIX = "dynamo_lite_select"
 _RECORD_ONLY = ("lifecycle", "not_schedulable_reasons")  # what an answer adds to a registered record
+
+
+class CatalogNotShared(ServiceError):
+    """A catalog change the bucket did not take (NATS away): 503, send it again."""
+
+    status = 503
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ class Replicas:
         self.announcements_received = 0
         self._read_record = reader(WorkerRequest)
         self._watching: asyncio.Task[None] | None = None
+        self._pending_removals: dict[int, asyncio.Future[None]] = {}
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(Booking).decode
 
@@ -140,6 +148,8 @@ class Replicas:
         self._watching = asyncio.create_task(self._watch(watcher))
 
     async def close(self) -> None:
+        for removal in self._pending_removals.values():
+            removal.cancel()
         if self._watching is not None:
             self._watching.cancel()
             await asyncio.gather(self._watching, return_exceptions=True)
@@ -154,10 +164,33 @@ class Replicas:
         assert self.kv is not None
         key = str(worker_id)
         if answer is None:
-            await self.kv.delete(key)  # its entry comes back to this replica too: nothing left to remove
+            # A removal done here is not undone, and asked again it is a 404: the bucket gets it
+            # in the background, however long NATS is away.
+            self._pending_removals[worker_id] = asyncio.ensure_future(self._remove(worker_id))
             return
-        revision = await self.kv.put(key, record_document(answer))
+        removal = self._pending_removals.pop(worker_id, None)
+        if removal is not None:
+            removal.cancel()  # registered again before its removal reached the bucket
+        try:
+            revision = await self.kv.put(key, record_document(answer))
+        except Exception as exc:  # noqa: BLE001 - any NATS failure (not connected, a timeout) is an outage
+            # This replica and the services hold the record; the others do not yet. The same
+            # request again (an upsert is idempotent) shares it once NATS answers.
+            raise CatalogNotShared(f"worker {worker_id}: registered here, but not shared with the other replicas: "
+                                   f"NATS: {type(exc).__name__}: {exc}; send the request again") from None
         self.applied[worker_id] = max(self.applied.get(worker_id, 0), revision)
+
+    async def _remove(self, worker_id: int) -> None:
+        assert self.kv is not None
+        while True:
+            try:
+                await self.kv.delete(str(worker_id))  # comes back to this replica too: nothing left to remove
+            except Exception as exc:  # noqa: BLE001 - retried until NATS answers
+                logger.warning("worker %d: its removal is not shared yet (NATS: %s); retrying", worker_id, exc)
+                await asyncio.sleep(1.0)
+                continue
+            self._pending_removals.pop(worker_id, None)
+            return
 
     async def _watch(self, watcher: Any) -> None:
         async for entry in watcher:
@@ -274,4 +307,4 @@ def _logged(task: asyncio.Future[None]) -> None:
         logger.warning("booking announcement not sent: %s", exc)
 
 
-__all__ = ["Booking", "ReplicaCollector", "ReplicaSettings", "Replicas", "SharedBooking", "record_document"]
+__all__ = ["Booking", "CatalogNotShared", "ReplicaCollector", "ReplicaSettings", "Replicas", "SharedBooking", "record_document"]
