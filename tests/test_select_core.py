@@ -218,6 +218,33 @@ def test_output_blocks_decay_and_free_releases_everything() -> None:
                                       "potential_decode_blocks": 0, "active_requests": 0}
 
 
+def test_output_decays_toward_the_expected_length_unless_a_fraction_is_sent() -> None:
+    """With `expected_output_tokens` and no `decay_fraction`, each output block weighs 1 at first
+    and the weight falls linearly to 0 at the expected length, as the slot tracker's `/add`
+    decays; a fraction sent wins."""
+    selection = core()
+    selection.upsert_worker(worker(1))
+    selection.reserve(ReservationRequest(model_name="m", selection_id="r", worker_id=1, token_ids=tokens(16),
+                                         expected_output_tokens=8 * BLOCK))
+    seen = []
+    for _ in range(9):
+        selection.output_block("r", None)
+        (partition,) = selection.loads("m")
+        seen.append(partition["loads"][0]["potential_decode_blocks"] - 4)  # less the 4 prompt blocks
+    # n blocks weigh n * (1 - n/8), rounded half away from zero; 0 from the expected length on.
+    assert seen == [1, 2, 2, 2, 2, 2, 1, 0, 0]
+    selection.output_block("r", OutputBlockRequest(decay_fraction=0.5))
+    (partition,) = selection.loads("m")
+    assert partition["loads"][0]["potential_decode_blocks"] == 4 + 5  # 10 blocks at the fraction sent
+    selection.free("r")
+    # Booked through /select_and_reserve, the same.
+    answer = selection.select_and_reserve(select("s", expected_output_tokens=2 * BLOCK))
+    for _ in range(2):
+        selection.output_block(answer["selection_id"], None)
+    (partition,) = selection.loads("m")
+    assert partition["loads"][0]["potential_decode_blocks"] == 4  # 2 blocks at the expected length weigh 0
+
+
 def test_an_explicit_booking_books_prefill_only_when_told() -> None:
     selection = core()
     selection.upsert_worker(worker(1))

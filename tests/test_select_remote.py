@@ -106,6 +106,18 @@ def test_two_selectors_share_the_cache_and_the_load(
             == 200
         assert client.get(f"{first}/dump").json() == client.get(f"{indexer}/dump").json()
 
+        # An expected output length reaches the shared slot tracker, which decays the raw count.
+        booked = client.post(f"{first}/select_and_reserve", json={
+            "model_name": MODEL, "token_ids": prompt, "selection_id": "f", "expected_output_tokens": 2 * BLOCK})
+        assert booked.status_code == 200 and booked.json()["worker_id"] == 1, booked.text
+        decode = []
+        for _ in range(3):
+            assert client.post(f"{first}/reservations/f/output_block", json={}).status_code == 200
+            rows = client.post(f"{tracker}/potential_loads", json={"model_name": MODEL, "sequence_hashes": []}).json()
+            decode.append({row["worker_id"]: row["potential_decode_blocks"] for row in rows}[1])
+        assert decode == [5 + 1, 5 + 0, 5 + 0]  # n blocks weigh n * (1 - n/2): 0.5 -> 1, then 0
+        assert client.delete(f"{first}/reservations/f").status_code == 200
+
         # A worker removed through one selector leaves the services (the other selector's
         # catalog still names it, and finds it gone there: no booking on a rank the tracker lost).
         assert client.delete(f"{first}/workers/2").status_code == 200

@@ -378,3 +378,18 @@ def test_decay_weighs_output_blocks_only_on_ours(pair: Pair, fleet: Fleet) -> No
 def test_unknown_query_parameters_are_refused_by_ours(pair: Pair) -> None:
     answers = both(pair, "GET", "/loads?model=x")
     assert answers["reference"][0] == 200 and answers["ours"][0] == 400
+
+
+def test_expected_output_tokens_decays_output_blocks_only_on_ours(pair: Pair, fleet: Fleet) -> None:
+    """Dynamo 1.6.1 takes `expected_output_tokens` but counts output blocks fully unless a
+    `decay_fraction` is sent; ours decays them toward that length by itself (docs/differences.md)."""
+    alike(pair, "POST", "/reservations", {"model_name": fleet.model, "selection_id": "x1", "worker_id": fleet.ids[2],
+                                          "token_ids": TOKENS, "expected_output_tokens": 2 * BLOCK})
+    decode: dict[str, list[int]] = {"reference": [], "ours": []}
+    for _ in range(3):
+        alike(pair, "POST", "/reservations/x1/output_block", {})
+        for name, rows in loads(pair, fleet.model).items():
+            decode[name].append(next(r for r in rows if r["worker_id"] == fleet.ids[2])["potential_decode_blocks"])
+    assert decode["reference"] == [4 + 1, 4 + 2, 4 + 3]  # 4 prompt blocks, output at full weight
+    assert decode["ours"] == [4 + 1, 4 + 0, 4 + 0]  # n blocks weigh n * (1 - n/2): 0.5 -> 1, then 0
+    alike(pair, "DELETE", "/reservations/x1")

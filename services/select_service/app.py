@@ -300,11 +300,15 @@ class RemoteSelectRoutes(SelectRoutes):
             held = self._shared_booking(selection_id)
             if held is None:
                 raise NotFound(f"reservation {selection_id} not found")
-            held.output_blocks, held.output_load = output_after_block(held.output_blocks, held.output_load, fraction)
+            held.output_blocks, held.output_load = output_after_block(
+                held.output_blocks, held.output_load, fraction, held.expected_output_tokens, held.block_size)
         else:
             self.core.output_block(selection_id, request)
-        count = round_half_away(held.output_load)
-        if count > held.reported_output_blocks:  # the shared count only grows: a decay stays local
+        # The shared slot tracker was told the expected length at `/add` and decays the raw count
+        # itself; otherwise it is sent the weighed count, which only grows there (a decay by a
+        # `decay_fraction` stays local).
+        count = held.output_blocks if held.expected_output_tokens is not None else round_half_away(held.output_load)
+        if count > held.reported_output_blocks:
             await self._lifecycle(selection_id, held.partition,
                                   self.shared.output_blocks(held.partition, selection_id, count))
             held.reported_output_blocks = count

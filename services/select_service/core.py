@@ -173,6 +173,7 @@ class Reservation:
     booked_at: float
     cost: RankCost | None  # the scheduler's estimate: the first token's delay teaches it
     session_id: str | None = None
+    expected_output_tokens: int | None = None  # without a decay_fraction, output decays toward it
     prefilled: bool = False
     output_blocks: int = 0
     output_load: float = 0.0  # the output blocks weighed by the last decay fraction
@@ -476,7 +477,8 @@ class SelectionCore:
         chosen, selection, tiers, record, _ = self._choose(request, state, prompt, tracking, bound, readings)
         answer = self._answer(request, partition, record, chosen, tiers, prompt, state.block_size, tracking)
         self._book(selection_id, partition, chosen.worker_id, chosen.dp_rank, prompt.sequence_hashes,
-                   answer["effective_prefill_tokens"] if tracking else 0, state.block_size, chosen, steered)
+                   answer["effective_prefill_tokens"] if tracking else 0, state.block_size, chosen, steered,
+                   request.expected_output_tokens)
         scheduling = SchedulingRequest(prompt.isl_tokens, state.block_size, session, request.expected_output_tokens)
         self.scheduler.booked(selection, scheduling, rank=chosen.key)
         return {"selection_id": selection_id, "sequence_hashes": prompt.sequence_hashes,
@@ -509,7 +511,7 @@ class SelectionCore:
         # false books nothing even then.
         prefill = effective if effective is not None and request.track_prefill_tokens is not False else 0
         self._book(request.selection_id, partition, record.worker_id, request.dp_rank, prompt.sequence_hashes,
-                   prefill, state.block_size, None, None)
+                   prefill, state.block_size, None, None, request.expected_output_tokens)
         return {"selection_id": request.selection_id, "model_name": model_name, "routing_group": routing_group,
                 "worker_id": record.worker_id, "dp_rank": request.dp_rank, "endpoint": record.endpoint}
 
@@ -537,18 +539,19 @@ class SelectionCore:
         self._book(request.selection_id, partition, pending.worker_id, pending.dp_rank,
                    list(pending.sequence_hashes),
                    pending.effective_prefill_tokens if pending.track_prefill_tokens else 0, state.block_size, cost,
-                   session)
+                   session, pending.expected_output_tokens)
         self.pending.discard(key)
         return {"selection_id": request.selection_id, "model_name": model_name, "routing_group": routing_group,
                 "worker_id": record.worker_id, "dp_rank": pending.dp_rank, "endpoint": record.endpoint}
 
     def _book(self, selection_id: str, partition: Partition, worker_id: int, dp_rank: int,
               hashes: Sequence[int], prefill_tokens: int, block_size: int, cost: RankCost | None,
-              session: str | None) -> None:
+              session: str | None, expected_output_tokens: int | None) -> None:
         model_name, routing_group = partition
         self.tracker.add(model_name, routing_group, selection_id, worker_id, dp_rank, hashes, prefill_tokens)
         self.reservations[selection_id] = Reservation(selection_id, partition, worker_id, dp_rank, tuple(hashes),
-                                                      prefill_tokens, block_size, self.clock(), cost, session)
+                                                      prefill_tokens, block_size, self.clock(), cost, session,
+                                                      expected_output_tokens)
         if session is not None and self.sessions is not None:
             self.sessions.bind(partition, session, (worker_id, dp_rank), selection_id)
 
@@ -766,11 +769,13 @@ class SelectionCore:
     def output_block(self, selection_id: str, request: OutputBlockRequest | None) -> None:
         """One more output block; a `decay_fraction` weighs every output block of the request
         from then on (the router guide's decay toward the expected output length: a request
-        near its end will soon free them)."""
+        near its end will soon free them). Without one, a reservation booked with
+        `expected_output_tokens` decays by itself, as the slot tracker's `/add` does."""
         fraction = request.decay_fraction if request is not None else None
         reservation = self._reservation(selection_id)
         reservation.output_blocks, reservation.output_load = output_after_block(
-            reservation.output_blocks, reservation.output_load, fraction)
+            reservation.output_blocks, reservation.output_load, fraction, reservation.expected_output_tokens,
+            reservation.block_size)
         self.tracker.set_output_blocks(*reservation.partition, selection_id, round_half_away(reservation.output_load),
                                        may_shrink=True)
 
@@ -900,10 +905,15 @@ class _PartitionState:
         return self._candidates
 
 
-def output_after_block(blocks: int, load: float, fraction: float | None) -> tuple[int, float]:
+def output_after_block(blocks: int, load: float, fraction: float | None, expected_output_tokens: int | None = None,
+                       block_size: int = 1) -> tuple[int, float]:
     """A reservation's output blocks and output load after one more block: each block counts 1,
-    or, given a decay fraction, every block counts that fraction from then on."""
+    or, given a decay fraction, every block counts that fraction from then on. With no fraction
+    sent but an expected output length, the fraction falls linearly from 1 to 0 as the output
+    reaches that length (the slot tracker's `decayed_output`, so both services weigh alike)."""
     blocks += 1
+    if fraction is None and expected_output_tokens is not None:
+        fraction = max(0.0, 1.0 - blocks * block_size / expected_output_tokens) if expected_output_tokens > 0 else 0.0
     return blocks, (load + 1.0 if fraction is None else blocks * fraction)
 
 

@@ -125,7 +125,8 @@ class SharedState:
         model_name, routing_group = reservation.partition
         await _book(self.slot_tracker.add(model_name, reservation.selection_id, reservation.worker_id,
                                           reservation.dp_rank, reservation.sequence_hashes,
-                                          reservation.prefill_tokens, tenant_id=routing_group),
+                                          reservation.prefill_tokens, tenant_id=routing_group,
+                                          expected_output_tokens=reservation.expected_output_tokens),
                     reservation.selection_id)
 
     async def prefill_complete(self, partition: Partition, selection_id: str) -> None:

@@ -89,6 +89,9 @@ class Booking(msgspec.Struct, array_like=True, frozen=True):
     output_blocks: int = 0
     output_load: float = 0.0
     reported_output_blocks: int = 0
+    # Last, with defaults: an announcement from a replica that predates them still decodes.
+    expected_output_tokens: int | None = None
+    block_size: int = 1
 
 
 @dataclass(slots=True)
@@ -103,6 +106,8 @@ class SharedBooking:
     output_blocks: int = 0
     output_load: float = 0.0
     reported_output_blocks: int = 0
+    expected_output_tokens: int | None = None
+    block_size: int = 1
 
 
 def record_document(answer: dict[str, Any]) -> bytes:
@@ -227,7 +232,8 @@ class Replicas:
         model_name, routing_group = reservation.partition
         message = Booking(kind, self.origin, selection_id, model_name, routing_group, reservation.worker_id,
                           reservation.dp_rank, reservation.prefilled, reservation.output_blocks,
-                          reservation.output_load, reservation.reported_output_blocks)
+                          reservation.output_load, reservation.reported_output_blocks,
+                          reservation.expected_output_tokens, reservation.block_size)
         task = asyncio.ensure_future(self.client.publish(f"{self.settings.subject_prefix}.booking",
                                                          self._encode(message)))
         task.add_done_callback(_logged)
@@ -262,7 +268,9 @@ class Replicas:
             return
         known = self.foreign.pop(selection_id, None)
         partition = (booking.model_name, booking.routing_group)
-        shared = known or SharedBooking(partition, booking.worker_id, booking.dp_rank, self.core.clock())
+        shared = known or SharedBooking(partition, booking.worker_id, booking.dp_rank, self.core.clock(),
+                                        expected_output_tokens=booking.expected_output_tokens,
+                                        block_size=booking.block_size)
         shared.seen_at = self.core.clock()
         shared.prefilled = shared.prefilled or booking.prefilled
         shared.output_blocks = max(shared.output_blocks, booking.output_blocks)
