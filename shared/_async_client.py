@@ -72,16 +72,22 @@ class AsyncSlotTrackerClient(_AsyncServiceClient):
         dp_start: int = 0,
         dp_size: int = 1,
         tenant_id: str = DEFAULT_TENANT,
+        role: str = "aggregated",
     ) -> None:
         """Register a worker with the DP ranks `dp_start` .. `dp_start + dp_size - 1`.
 
         The first worker of a (model, tenant) fixes its `block_size`; 409 if the worker is
-        already registered or the block size differs.
+        already registered or the block size differs. A `role` of `"prefill"` tracks only its
+        requests' prefill tokens (no active or output blocks); `"decode"` and `"aggregated"`
+        track everything.
         """
-        await self._transport.call("POST", "/register", {
+        body: dict[str, Any] = {
             "worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id,
             "block_size": block_size, "dp_start": dp_start, "dp_size": dp_size,
-        })
+        }
+        if role != "aggregated":  # Dynamo's slot tracker takes no role
+            body["role"] = role
+        await self._transport.call("POST", "/register", body)
 
     async def unregister(self, worker_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
         """Remove a worker with its ranks and their active requests; 404 if it is not registered."""

@@ -245,6 +245,24 @@ def test_output_decays_toward_the_expected_length_unless_a_fraction_is_sent() ->
     assert partition["loads"][0]["potential_decode_blocks"] == 4  # 2 blocks at the expected length weigh 0
 
 
+def test_a_prefill_worker_is_booked_for_its_prefill_only() -> None:
+    """`router_hint_worker_type: prefill` books no active or output blocks on the worker (Dynamo's
+    prefill router runs with track_active_blocks=false); a change of type re-registers it."""
+    selection = core()
+    selection.upsert_worker(worker(1, router_hint_worker_type="prefill"))
+    selection.upsert_worker(worker(2, router_hint_worker_type="decode"))
+    for worker_id, selection_id in ((1, "p"), (2, "d")):
+        selection.reserve(ReservationRequest(model_name="m", selection_id=selection_id, worker_id=worker_id,
+                                             token_ids=tokens(16), effective_prefill_tokens=16))
+        selection.output_block(selection_id, None)
+    (partition,) = selection.loads("m")
+    assert {row["worker_id"]: (row["potential_prefill_tokens"], row["potential_decode_blocks"])
+            for row in partition["loads"]} == {1: (16, 0), 2: (16, 4 + 1)}
+    selection.upsert_worker(worker(1, router_hint_worker_type="decode"))  # the booking is kept, counted fully now
+    (partition,) = selection.loads("m")
+    assert {row["worker_id"]: row["potential_decode_blocks"] for row in partition["loads"]} == {1: 4 + 1, 2: 4 + 1}
+
+
 def test_an_explicit_booking_books_prefill_only_when_told() -> None:
     selection = core()
     selection.upsert_worker(worker(1))

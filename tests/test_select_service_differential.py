@@ -393,3 +393,26 @@ def test_expected_output_tokens_decays_output_blocks_only_on_ours(pair: Pair, fl
     assert decode["reference"] == [4 + 1, 4 + 2, 4 + 3]  # 4 prompt blocks, output at full weight
     assert decode["ours"] == [4 + 1, 4 + 0, 4 + 0]  # n blocks weigh n * (1 - n/2): 0.5 -> 1, then 0
     alike(pair, "DELETE", "/reservations/x1")
+
+
+def test_a_prefill_worker_type_books_no_blocks_only_on_ours(pair: Pair, context: zmq.Context) -> None:
+    """`router_hint_worker_type: prefill`: Dynamo 1.6.1 stores the hint and books the worker's
+    prompt blocks as any other's; ours books its prefill tokens only (docs/differences.md)."""
+    name = model()
+    engine = EnginePublisher(WireFormat.VLLM, context=context)
+    worker_id = next(_worker_ids)
+    try:
+        status, record = alike(pair, "POST", "/workers", worker_body(worker_id, name, engine,
+                                                                     router_hint_worker_type="prefill"))
+        assert status == 201 and record["router_hint_worker_type"] == "prefill"
+        alike(pair, "POST", "/reservations", {"model_name": name, "selection_id": "pw1", "worker_id": worker_id,
+                                              "token_ids": TOKENS, "effective_prefill_tokens": 16})
+        answers = loads(pair, name)
+        decode = {who: rows[0]["potential_decode_blocks"] for who, rows in answers.items()}
+        assert decode == {"reference": 4, "ours": 0}
+        assert {who: rows[0]["potential_prefill_tokens"] for who, rows in answers.items()} == {
+            "reference": 16, "ours": 16}
+        alike(pair, "DELETE", "/reservations/pw1")
+    finally:
+        both(pair, "DELETE", f"/workers/{worker_id}")
+        engine.close()

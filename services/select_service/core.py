@@ -46,6 +46,7 @@ from dynamo_lite.scheduling import (
 )
 from dynamo_lite.scheduling.model import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dynamo_lite.slot_tracker.core import SlotTracker
+from dynamo_lite.slot_tracker.protocols import AGGREGATED, PREFILL
 
 from .affinity import SessionAffinity, check_session_id
 from .catalog import WorkerRecord, endpoint_problem
@@ -322,7 +323,8 @@ class SelectionCore:
         state = self.partitions.setdefault(record.partition, _PartitionState(block_size, bool(record.is_eagle)))
         state.set_worker(record)
         ranks = record.ranks()
-        self.tracker.register(record.worker_id, model_name, routing_group, block_size, ranks.start, len(ranks))
+        self.tracker.register(record.worker_id, model_name, routing_group, block_size, ranks.start, len(ranks),
+                              tracked_role(record))
         changes.track(record)
         endpoints = record.listener_endpoints()
         for rank in ranks:
@@ -383,7 +385,7 @@ class SelectionCore:
             changes.stop.append((old.worker_id, rank))
             changes.index(old, rank, None, register=False)
         dropped = {(old.worker_id, rank) for rank in set(old.ranks()) - set(new.ranks())}
-        if old.ranks() != new.ranks():
+        if old.ranks() != new.ranks() or tracked_role(old) != tracked_role(new):
             survivors = [r for r in self.reservations.values()
                          if r.worker_id == old.worker_id and r.rank not in dropped]
             self._drop_bookings(dropped)
@@ -391,7 +393,8 @@ class SelectionCore:
             changes.track(old, register=False)
             ranks = new.ranks()
             assert new.block_size
-            self.tracker.register(new.worker_id, model_name, routing_group, new.block_size, ranks.start, len(ranks))
+            self.tracker.register(new.worker_id, model_name, routing_group, new.block_size, ranks.start, len(ranks),
+                                  tracked_role(new))
             changes.track(new)
             self._rebook(survivors)
             self.scheduler.forget(dropped)
@@ -905,6 +908,13 @@ class _PartitionState:
         return self._candidates
 
 
+def tracked_role(record: WorkerRecord) -> str:
+    """The slot tracker's role for a worker: `router_hint_worker_type` "prefill" tracks only its
+    prefill tokens (Dynamo's prefill router runs with track_active_blocks=false); any other
+    type, or none, everything."""
+    return PREFILL if record.router_hint_worker_type == PREFILL else AGGREGATED
+
+
 def output_after_block(blocks: int, load: float, fraction: float | None, expected_output_tokens: int | None = None,
                        block_size: int = 1) -> tuple[int, float]:
     """A reservation's output blocks and output load after one more block: each block counts 1,
@@ -938,4 +948,5 @@ def _describe_ranks(record: WorkerRecord) -> str:
 __all__ = [
     "DEFAULT_REQUEST_TTL_SECS", "ListenerChanges", "NoCandidate", "NotReady", "Overloaded", "Prompt", "Readings",
     "Registration", "Reservation", "SelectionCore", "SelectionSettings", "output_after_block", "round_half_away",
+    "tracked_role",
 ]

@@ -31,6 +31,7 @@ from dynamo_lite.validation import I64, U32, U64, RequestBody, tenant_of
 from .core import DEFAULT_REQUEST_TTL_SECS, SlotTracker
 from .metrics import SlotTrackerCollector
 from .peers import recover
+from .protocols import AGGREGATED, WorkerInfo
 from .snapshot import EMPTY, TrackerSnapshots, encode
 
 if TYPE_CHECKING:  # imported only with --nats (see `create_app`)
@@ -68,6 +69,9 @@ class RegisterRequest(RequestBody, kw_only=True):
     block_size: U32
     dp_start: U32
     dp_size: U32
+    # Not in Dynamo's /register: "prefill" tracks only the prefill tokens of the worker's requests
+    # (Dynamo's prefill router runs with track_active_blocks=false); "decode" or "aggregated" all.
+    role: str = AGGREGATED
 
 
 class UnregisterRequest(RequestBody, kw_only=True):
@@ -119,6 +123,14 @@ class PotentialLoadsRequest(RequestBody, kw_only=True):
     new_isl_tokens: U64 = 0
 
 
+def _worker_row(worker: WorkerInfo) -> WorkerInfo | dict[str, Any]:
+    """A `/workers` row: Dynamo's fields, and the role only when it is not the default."""
+    if worker.role == AGGREGATED:
+        return {"worker_id": worker.worker_id, "model_name": worker.model_name, "tenant_id": worker.tenant_id,
+                "block_size": worker.block_size, "dp_start": worker.dp_start, "dp_size": worker.dp_size}
+    return worker
+
+
 def _tenant(request: Any) -> str:
     routing_group = request.routing_group
     if routing_group is UNSET:  # the alias not sent, as in most bodies: nothing to reconcile
@@ -137,7 +149,7 @@ class SlotTrackerRoutes:
 
     def register(self, request: RegisterRequest) -> HandlerResult:
         self.tracker.register(request.worker_id, request.model_name, _tenant(request), request.block_size,
-                              request.dp_start, request.dp_size)
+                              request.dp_start, request.dp_size, request.role)
         return 201, OK
 
     def unregister(self, request: UnregisterRequest) -> HandlerResult:
@@ -146,7 +158,7 @@ class SlotTrackerRoutes:
 
     def workers(self, params: QueryParams) -> HandlerResult:
         model_name, tenant_id = _filters(params)
-        return 200, self.tracker.workers(model_name, tenant_id)
+        return 200, [_worker_row(worker) for worker in self.tracker.workers(model_name, tenant_id)]
 
     def add(self, request: AddRequest) -> HandlerResult:
         self.tracker.add(request.model_name, _tenant(request), request.request_id, request.worker_id,
@@ -204,7 +216,7 @@ class ReplicatedRoutes(SlotTrackerRoutes):
         tenant_id = _tenant(request)
         self.sync.check_size(_size(request.model_name, tenant_id))
         self.replica.register(request.worker_id, request.model_name, tenant_id, request.block_size,
-                              request.dp_start, request.dp_size)
+                              request.dp_start, request.dp_size, request.role)
         return self.sync.confirmed(201, OK)
 
     def unregister(self, request: UnregisterRequest) -> Any:

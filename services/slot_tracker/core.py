@@ -66,7 +66,10 @@ from dynamo_lite.errors import AlreadyRegistered, Conflict, InvalidArgument, Not
 from dynamo_lite.integers import U32_MAX
 
 from .protocols import (
+    AGGREGATED,
     DUMP_VERSION,
+    PREFILL,
+    ROLES,
     DumpedPartition,
     DumpedRequest,
     DumpedWorker,
@@ -86,12 +89,16 @@ class RankSlot:
     """One (worker_id, dp_rank) with its own load."""
 
     __slots__ = (
-        "worker_id", "dp_rank", "index", "bit", "blocks", "output_blocks", "prefill_tokens", "request_count"
+        "worker_id", "dp_rank", "index", "bit", "blocks", "output_blocks", "prefill_tokens", "request_count",
+        "tracks_blocks",
     )
 
-    def __init__(self, worker_id: int, dp_rank: int, index: int) -> None:
+    def __init__(self, worker_id: int, dp_rank: int, index: int, tracks_blocks: bool = True) -> None:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
+        # False on a prefill worker's ranks: Dynamo's prefill router runs with
+        # track_active_blocks=false, as a prefill worker holds no blocks for decoding.
+        self.tracks_blocks = tracks_blocks
         self.index = index  # its key in `Group.refs`; indexes of removed slots are reused
         self.bit = 1 << index  # its bit in `Group.mask`
         self.blocks = 0  # distinct hashes held: the sum of the sizes of the groups it holds
@@ -156,6 +163,7 @@ class Worker:
     dp_start: int
     dp_size: int
     slots: list[RankSlot]
+    role: str = AGGREGATED
 
 
 @dataclass(slots=True)
@@ -176,6 +184,7 @@ class Partition:
     held: set[int] = field(default_factory=set)
     free_indexes: list[int] = field(default_factory=list)
     next_index: int = 0
+    untracked_ranks: bool = False  # a prefill worker's ranks are here (`potential_load_rows` asks)
 
     def describe(self) -> str:
         return f"model={self.model_name} tenant_id={self.tenant_id}"
@@ -189,6 +198,7 @@ class Partition:
 
     def order_ranks(self) -> None:
         self.ranks = [slot for worker in self.workers.values() for slot in worker.slots]
+        self.untracked_ranks = any(not slot.tracks_blocks for slot in self.ranks)
 
 
 @dataclass
@@ -230,8 +240,14 @@ class SlotTracker:
         block_size: int,
         dp_start: int,
         dp_size: int,
+        role: str = AGGREGATED,
     ) -> None:
+        """Register a worker's ranks `dp_start .. dp_start + dp_size - 1`. A `prefill` worker's
+        ranks count prefill tokens only: no active blocks, no output blocks (it hands each
+        request to a decode worker at its first token)."""
         self.version += 1
+        if role not in ROLES:
+            raise InvalidArgument(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if block_size == 0:
             raise InvalidArgument("block_size must be greater than 0")
         if dp_size == 0:
@@ -255,10 +271,10 @@ class SlotTracker:
             self.partitions[key] = partition
         slots = []
         for dp_rank in range(dp_start, dp_start + dp_size):
-            slot = RankSlot(worker_id, dp_rank, partition.take_index())
+            slot = RankSlot(worker_id, dp_rank, partition.take_index(), role != PREFILL)
             partition.slots[(worker_id, dp_rank)] = slot
             slots.append(slot)
-        partition.workers[worker_id] = Worker(worker_id, block_size, dp_start, dp_size, slots)
+        partition.workers[worker_id] = Worker(worker_id, block_size, dp_start, dp_size, slots, role)
         partition.order_ranks()
 
     def unregister(self, worker_id: int, model_name: str, tenant_id: str) -> None:
@@ -284,7 +300,7 @@ class SlotTracker:
 
     def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
         return [
-            WorkerInfo(w.worker_id, p.model_name, p.tenant_id, w.block_size, w.dp_start, w.dp_size)
+            WorkerInfo(w.worker_id, p.model_name, p.tenant_id, w.block_size, w.dp_start, w.dp_size, w.role)
             for p in self._matching(model_name, tenant_id)
             for w in p.workers.values()
         ]
@@ -320,7 +336,7 @@ class SlotTracker:
                 f"request {request_id} already exists (assigned to worker {owner.worker_id} "
                 f"dp_rank {owner.dp_rank})"
             )
-        hashes = tuple(sequence_hashes)
+        hashes = tuple(sequence_hashes) if slot.tracks_blocks else ()
         holders = partition.holders
         groups: list[Group] = []
         # The head that is whole groups in their order (a held prompt) costs a dict lookup and a
@@ -417,6 +433,8 @@ class SlotTracker:
             )
         expected = request.expected_output_tokens
         load = output_blocks if expected is None else decayed_output(output_blocks, partition.block_size, expected)
+        if not request.slot.tracks_blocks:
+            load = 0
         request.slot.output_blocks += load - request.output_load
         request.output_blocks = output_blocks
         request.output_load = load
@@ -496,6 +514,18 @@ class SlotTracker:
             if found and groups:
                 query_length -= _drop_repeats(holders, found, groups, position)
         held = _held_counts(partition, found, groups)
+        if partition.untracked_ranks:
+            return [
+                {
+                    "worker_id": slot.worker_id,
+                    "dp_rank": slot.dp_rank,
+                    "potential_prefill_tokens": slot.prefill_tokens + new_isl_tokens,
+                    "potential_decode_blocks": (slot.blocks + slot.output_blocks + query_length - held[slot.index]
+                                                if slot.tracks_blocks else 0),
+                    "active_requests": slot.request_count,
+                }
+                for slot in partition.ranks
+            ]
         return [
             {
                 "worker_id": slot.worker_id,
@@ -530,7 +560,7 @@ class SlotTracker:
         ttl = self.request_ttl_secs
         partitions = []
         for partition in self._matching(None, None):
-            workers = [DumpedWorker(w.worker_id, w.block_size, w.dp_start, w.dp_size)
+            workers = [DumpedWorker(w.worker_id, w.block_size, w.dp_start, w.dp_size, w.role)
                        for w in partition.workers.values()]
             requests = []
             for request in partition.requests.values():
@@ -566,7 +596,7 @@ class SlotTracker:
                 seen.add(key)
                 for worker in dumped.workers:
                     scratch.register(worker.worker_id, model_name, tenant_id, worker.block_size, worker.dp_start,
-                                     worker.dp_size)
+                                     worker.dp_size, worker.role)
                 report.workers += len(dumped.workers)
                 previous_ttl = 0.0
                 for request in dumped.requests:

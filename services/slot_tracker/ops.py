@@ -35,6 +35,7 @@ class Register(msgspec.Struct, array_like=True, frozen=True, tag=1):
     block_size: int
     dp_start: int
     dp_size: int
+    role: str = "aggregated"  # last, with a default: a replica that predates roles still decodes it
 
 
 class Unregister(msgspec.Struct, array_like=True, frozen=True, tag=2):

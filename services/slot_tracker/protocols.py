@@ -13,6 +13,12 @@ import msgspec
 
 from dynamo_lite.validation import I64, U32, U64
 
+# A worker's role (`/register`): a prefill worker hands each request to a decode worker at its
+# first token, so only its prefill tokens are tracked; decode and aggregated workers are alike here.
+AGGREGATED: Final = "aggregated"
+DECODE: Final = "decode"
+PREFILL: Final = "prefill"
+ROLES: Final = (AGGREGATED, DECODE, PREFILL)
 
 # Response rows are plain dataclasses, not slotted ones: orjson serialises a dataclass through
 # its __dict__ directly but walks a slotted one field by field, which made encoding 16 rows cost
@@ -25,6 +31,7 @@ class WorkerInfo:
     block_size: int
     dp_start: int
     dp_size: int
+    role: str = AGGREGATED  # answered only when not "aggregated" (Dynamo's rows have no role)
 
 
 @dataclass
@@ -53,11 +60,12 @@ class PotentialLoad:
 DUMP_VERSION: Final = 1  # a reader refuses any other: `version` is declared `Literal[1]`
 
 
-class DumpedWorker(msgspec.Struct):
+class DumpedWorker(msgspec.Struct, omit_defaults=True):
     worker_id: U64
     block_size: U32
     dp_start: U32
     dp_size: U32
+    role: Literal["aggregated", "decode", "prefill"] = "aggregated"
 
 
 class DumpedRequest(msgspec.Struct, omit_defaults=True):
@@ -89,11 +97,15 @@ class SlotTrackerDump(msgspec.Struct):
 
 
 __all__ = [
+    "AGGREGATED",
+    "DECODE",
     "DUMP_VERSION",
     "DumpedPartition",
     "DumpedRequest",
     "DumpedWorker",
+    "PREFILL",
     "PotentialLoad",
+    "ROLES",
     "RankLoad",
     "SlotTrackerDump",
     "WorkerInfo",

@@ -69,7 +69,7 @@ from .ops import (
     decode_message,
     encode,
 )
-from .protocols import SlotTrackerDump
+from .protocols import AGGREGATED, SlotTrackerDump
 from .sequencing import Due, Gap, SequenceCounts, Sequencer
 
 # The names the shell and the tests take from here.
@@ -173,9 +173,9 @@ class Replica:
     # --- this replica's writes ------------------------------------------------------------------
 
     def register(self, worker_id: int, model_name: str, tenant_id: str, block_size: int, dp_start: int,
-                 dp_size: int) -> None:
-        self.tracker.register(worker_id, model_name, tenant_id, block_size, dp_start, dp_size)
-        self._queue(Register(model_name, tenant_id, worker_id, block_size, dp_start, dp_size))
+                 dp_size: int, role: str = AGGREGATED) -> None:
+        self.tracker.register(worker_id, model_name, tenant_id, block_size, dp_start, dp_size, role)
+        self._queue(Register(model_name, tenant_id, worker_id, block_size, dp_start, dp_size, role))
 
     def unregister(self, worker_id: int, model_name: str, tenant_id: str) -> None:
         self.tracker.unregister(worker_id, model_name, tenant_id)
@@ -355,11 +355,12 @@ class Replica:
 
     def _apply_register(self, op: Register) -> None:
         worker = self.tracker.worker(op.model_name, op.tenant_id, op.worker_id)
-        if worker is not None and (worker.block_size, worker.dp_start, worker.dp_size) == (
-                op.block_size, op.dp_start, op.dp_size):
+        if worker is not None and (worker.block_size, worker.dp_start, worker.dp_size, worker.role) == (
+                op.block_size, op.dp_start, op.dp_size, op.role):
             return  # registered here too (through this replica as well): the same worker
         try:
-            self.tracker.register(op.worker_id, op.model_name, op.tenant_id, op.block_size, op.dp_start, op.dp_size)
+            self.tracker.register(op.worker_id, op.model_name, op.tenant_id, op.block_size, op.dp_start, op.dp_size,
+                                  op.role)
         except ServiceError:
             self.counts.topology_conflicts += 1
 
