@@ -56,27 +56,25 @@ from typing import Any
 import orjson
 import uvloop
 
-from dynamo_lite.stack import Envoy, Stack, StackError, envoy_binary
-
-from . import gateway_disagg, gateway_profile, gateway_routing, gateway_states
-from .gateway_chat import ChatShape
-from .gateway_disagg import DisaggSettings
-from .gateway_load import Outcome, Planned, closed_loop, open_loop, summarise
-from .gateway_routing import RoutingSettings
-from .gateway_stack import (
-    MODEL,
+from dynamo_lite.stack import (
     PICKER_ACCESS_LOG,
     PICKER_FULL,
     PICKER_HEADERS_ONLY,
     PICKER_OBSERVER,
     PICKER_OBSERVER_5S,
     ROUND_ROBIN,
-    EngineSettings,
-    envoy_of,
-    gateway_stack,
-    picker_cpu_seconds,
-    process_cpu_seconds,
+    Envoy,
+    Stack,
+    StackError,
+    envoy_binary,
 )
+
+from . import gateway_disagg, gateway_profile, gateway_routing, gateway_states
+from .gateway_chat import ChatShape
+from .gateway_disagg import DisaggSettings
+from .gateway_load import Outcome, Planned, closed_loop, open_loop, summarise
+from .gateway_routing import RoutingSettings
+from .gateway_stack import MODEL, EngineSettings, envoy_of, gateway_stack, picker_cpu_seconds, process_cpu_seconds
 from .runner import progress
 from .servers import CLIENT_CPU, SERVER_CPU
 

@@ -35,13 +35,13 @@ import orjson
 from dynamo_lite.scheduling import dynamo_config
 from dynamo_lite.simulate import standin
 from dynamo_lite.simulate.trace import TraceRecord, load_trace
-from dynamo_lite.stack import Stack
+from dynamo_lite.stack import LEAST_REQUEST, PICKER_FULL, ROUND_ROBIN, Stack
 from dynamo_lite.timing import TimingModel
 
 from . import gateway_chat, gateway_trace
 from .gateway_chat import ChatShape
 from .gateway_load import Outcome, Planned, open_loop, percentile, summarise
-from .gateway_stack import BLOCK_SIZE, LEAST_REQUEST, PICKER_FULL, ROUND_ROBIN, EngineSettings, envoy_of, picker_cpu_seconds
+from .gateway_stack import BLOCK_SIZE, EngineSettings, envoy_of, picker_cpu_seconds
 from .runner import progress
 
 ROOT = Path(__file__).resolve().parent.parent

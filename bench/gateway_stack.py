@@ -17,23 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynamo_lite.stack import (
-    LEAST_REQUEST,
-    PICKER_ACCESS_LOG,
-    PICKER_FULL,
-    PICKER_HEADERS_ONLY,
-    PICKER_OBSERVER,
-    PICKER_OBSERVER_5S,
-    ROUND_ROBIN,
-    Envoy,
-    EnvoySettings,
-    Stack,
-)
+from dynamo_lite.stack import Envoy, EnvoySettings, Stack
 
 from .servers import CLIENT_CPU, SERVER_CPU
-
-__all__ = ["LEAST_REQUEST", "PICKER_ACCESS_LOG", "PICKER_FULL", "PICKER_HEADERS_ONLY", "PICKER_OBSERVER",
-           "PICKER_OBSERVER_5S", "ROUND_ROBIN"]
 
 MODEL = "mock"
 BLOCK_SIZE = 16  # tokens per KV block on the engines (vLLM's default)

@@ -22,10 +22,10 @@ from typing import Any
 
 import orjson
 
-from dynamo_lite.stack import Stack
+from dynamo_lite.stack import PICKER_FULL, PICKER_OBSERVER_5S, ROUND_ROBIN, Stack
 
 from .gateway_load import Outcome, Planned, open_loop, summarise
-from .gateway_stack import MODEL, PICKER_FULL, PICKER_OBSERVER_5S, ROUND_ROBIN, EngineSettings, envoy_of, picker_cpu_seconds
+from .gateway_stack import MODEL, EngineSettings, envoy_of, picker_cpu_seconds
 from .runner import progress
 
 STATES = ("services", "in-process")

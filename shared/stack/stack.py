@@ -162,8 +162,8 @@ class Stack:
 
         self.processes: dict[str, Process] = {}
         if state == "services":
-            self._add("slot_tracker", self._service_argv("slot_tracker", slot_tracker_port), slot_tracker_port, cpu)
-            self._add("indexer", self._service_argv("indexer", indexer_port), indexer_port, cpu)
+            self._add("slot_tracker", self._python_module("slot_tracker", slot_tracker_port), slot_tracker_port, cpu)
+            self._add("indexer", self._python_module("indexer", indexer_port), indexer_port, cpu)
         role_flags = role_flags or {}
         for engine in self.engines:
             self._add(engine.name, self._engine_argv(engine, [*engine_flags, *role_flags.get(engine.role, ())]),
@@ -176,10 +176,15 @@ class Stack:
         if self.has_picker:
             self._add("picker", self._picker_argv(picker_python_flags, picker_flags), self.picker_http_port,
                       cpu if picker_cpu is None else picker_cpu, ports=(self.picker_port, self.picker_http_port))
-        # Envoy's cluster needs a host even with no engine: the first engine's port, unanswered.
-        endpoints = [engine.endpoint for engine in self.engines] or [f"{LOOPBACK}:{fixed.engine if fixed else free_port()}"]
+        # Envoy's destinations: a prefill engine never is one (the picker names it in a header to
+        # the decode engine's sidecar). The cluster needs a host even with no engine: the first
+        # engine's port, unanswered.
+        endpoints = [engine.endpoint for engine in self.engines if engine.role != "prefill"]
+        endpoints = endpoints or [f"{LOOPBACK}:{fixed.engine if fixed else free_port()}"]
         self.envoys: dict[str, Envoy] = {}
         for name, settings in envoys.items():
+            if name in self.processes:
+                raise ValueError(f"an Envoy named {name!r} would shadow the stack's {name}")
             envoy = Envoy(settings, picker_port=self.picker_port, engines=endpoints, name=name, workdir=self.workdir,
                           listen_port=fixed.gateway if fixed else None, admin_port=fixed.envoy_admin if fixed else None,
                           cpu=cpu)
@@ -210,9 +215,6 @@ class Stack:
     def _python_module(self, module: str, port: int) -> list[str]:
         argv = [self._python, "-m", f"dynamo_lite.{module}", "--host", LOOPBACK, "--port", str(port)]
         return argv + (["--log-level", self._log_level] if self._log_level else [])
-
-    def _service_argv(self, service: str, port: int) -> list[str]:
-        return self._python_module(service, port)
 
     def _engine_argv(self, engine: Engine, flags: Sequence[str]) -> list[str]:
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{LOOPBACK}:{engine.events_port}",
