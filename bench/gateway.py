@@ -56,25 +56,25 @@ from typing import Any
 import orjson
 import uvloop
 
-from . import gateway_disagg, gateway_profile, gateway_routing, gateway_states
-from .gateway_chat import ChatShape
-from .gateway_disagg import DisaggSettings
-from .gateway_load import Outcome, Planned, closed_loop, open_loop, summarise
-from .gateway_routing import RoutingSettings
-from .gateway_stack import (
-    MODEL,
+from dynamo_lite.stack import (
     PICKER_ACCESS_LOG,
     PICKER_FULL,
     PICKER_HEADERS_ONLY,
     PICKER_OBSERVER,
     PICKER_OBSERVER_5S,
     ROUND_ROBIN,
-    EngineSettings,
     Envoy,
-    GatewayStack,
+    Stack,
+    StackError,
     envoy_binary,
-    process_cpu_seconds,
 )
+
+from . import gateway_disagg, gateway_profile, gateway_routing, gateway_states
+from .gateway_chat import ChatShape
+from .gateway_disagg import DisaggSettings
+from .gateway_load import Outcome, Planned, closed_loop, open_loop, summarise
+from .gateway_routing import RoutingSettings
+from .gateway_stack import MODEL, EngineSettings, envoy_of, gateway_stack, picker_cpu_seconds, process_cpu_seconds
 from .runner import progress
 from .servers import CLIENT_CPU, SERVER_CPU
 
@@ -138,7 +138,7 @@ def _completion(prompt: list[int], max_tokens: int) -> bytes:
                          "stream_options": {"include_usage": True}})
 
 
-def added_latency(settings: Settings, stack: GatewayStack) -> dict[str, Any]:
+def added_latency(settings: Settings, stack: Stack) -> dict[str, Any]:
     """(a) + (b): the same small streamed request, open loop, through both paths in turn."""
     body = _completion(list(range(100, 100 + settings.small_prompt_tokens)), settings.small_max_tokens)
     count = max(1, round(settings.latency_rate * settings.latency_seconds))
@@ -150,10 +150,10 @@ def added_latency(settings: Settings, stack: GatewayStack) -> dict[str, Any]:
     picks_before = stack.picker_metrics()
     for _ in range(settings.latency_rounds):
         for variant in outcomes:
-            before = stack.picker_cpu_seconds()
-            done, _ = run(open_loop(stack.envoys[variant].url, plan))
+            before = picker_cpu_seconds(stack)
+            done, _ = run(open_loop(envoy_of(stack, variant).url, plan))
             if variant == PICKER_FULL:
-                picker_cpu += stack.picker_cpu_seconds() - before
+                picker_cpu += picker_cpu_seconds(stack) - before
             outcomes[variant] += done
     picks_after = stack.picker_metrics()
     stack.wait_idle(settings.idle_timeout)
@@ -177,10 +177,10 @@ def added_latency(settings: Settings, stack: GatewayStack) -> dict[str, Any]:
     return result
 
 
-def throughput(settings: Settings, stack: GatewayStack, variant: str) -> dict[str, Any]:
+def throughput(settings: Settings, stack: Stack, variant: str) -> dict[str, Any]:
     """(c): closed loop of 256-token answers streamed one token per chunk; what the picker costs,
     and what the bookkeeping looks like at the end of the window and after it."""
-    envoy = stack.envoys[variant]
+    envoy = envoy_of(stack, variant)
     picked = variant in PICKER_CONFIGS  # round robin: the picker sits idle, its figures mean nothing
     body = _completion(list(range(200, 200 + settings.small_prompt_tokens)), settings.answer_tokens)
     marks: dict[str, Any] = {}
@@ -189,10 +189,10 @@ def throughput(settings: Settings, stack: GatewayStack, variant: str) -> dict[st
     # window opens and last when it closes, the CPU clocks right at its edges.
     def opened() -> None:
         marks.update(envoy_stats=_ext_proc_stats(envoy), calls=_service_calls(stack))
-        marks.update(picker=_picker_cpu(stack), envoy=process_cpu_seconds(_pid(envoy)), clock=time.monotonic())
+        marks.update(picker=picker_cpu_seconds(stack), envoy=process_cpu_seconds(envoy.pid), clock=time.monotonic())
 
     def closed() -> None:
-        marks.update(picker_end=_picker_cpu(stack), envoy_end=process_cpu_seconds(_pid(envoy)),
+        marks.update(picker_end=picker_cpu_seconds(stack), envoy_end=process_cpu_seconds(envoy.pid),
                      clock_end=time.monotonic())
         marks.update(envoy_stats_end=_ext_proc_stats(envoy), calls_end=_service_calls(stack),
                      active=stack.active_requests() if picked else None)
@@ -234,13 +234,13 @@ def throughput(settings: Settings, stack: GatewayStack, variant: str) -> dict[st
     return result
 
 
-def bookkeeping(settings: Settings, stack: GatewayStack, variant: str) -> dict[str, Any]:
+def bookkeeping(settings: Settings, stack: Stack, variant: str) -> dict[str, Any]:
     """Below capacity: does every booking end with its answer ("complete"), and at once?"""
     body = _completion(list(range(300, 300 + settings.small_prompt_tokens)), settings.answer_tokens)
     count = max(1, round(settings.bookkeeping_rate * settings.bookkeeping_seconds))
     plan = [Planned(i / settings.bookkeeping_rate, "/v1/completions", body) for i in range(count)]
     before = stack.picker_metrics()
-    outcomes, _ = run(open_loop(stack.envoys[variant].url, plan))
+    outcomes, _ = run(open_loop(envoy_of(stack, variant).url, plan))
     # Every answer has ended: with exact bookkeeping the slot tracker is at zero a moment later.
     active_at_last_answer = stack.active_requests()
     left, waited = stack.wait_idle(settings.idle_timeout)
@@ -261,12 +261,12 @@ def _paced_engines(settings: Settings) -> EngineSettings:
     return EngineSettings(speedup=settings.paced_speedup)
 
 
-def idle_cpu(settings: Settings, stack: GatewayStack) -> float:
+def idle_cpu(settings: Settings, stack: Stack) -> float:
     """The picker's CPU seconds per second with no request in flight (health checks, the pool
     watcher, the engines' /metrics): part of every per-request figure, more so at low rates."""
-    before = stack.picker_cpu_seconds()
+    before = picker_cpu_seconds(stack)
     time.sleep(settings.idle_seconds)
-    per_second = (stack.picker_cpu_seconds() - before) / settings.idle_seconds
+    per_second = (picker_cpu_seconds(stack) - before) / settings.idle_seconds
     progress(f"  picker CPU while idle: {1000 * per_second:.1f} ms per second")
     return per_second
 
@@ -294,19 +294,6 @@ def picker_cost(settings: Settings) -> dict[str, Any]:
             "throughput_fast_engines": fast_rows}
 
 
-class _ProfiledStack(GatewayStack):
-    """The stack with the picker run under cProfile (written when the picker exits)."""
-
-    def __init__(self, profile_path: Path, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.profile_path = profile_path
-
-    def _picker_argv(self, pool: Path) -> list[str]:
-        argv = super()._picker_argv(pool)
-        at = argv.index("dynamo_lite.epp")
-        return [*argv[:at], "cProfile", "-o", str(self.profile_path), "-m", *argv[at:]]
-
-
 def picker_profile(settings: Settings, workdir: Path, variant: str = PICKER_FULL) -> dict[str, Any]:
     """Where the picker's time goes under part 2 (c)'s closed loop, in one Envoy configuration."""
     engines = _paced_engines(settings)
@@ -314,7 +301,7 @@ def picker_profile(settings: Settings, workdir: Path, variant: str = PICKER_FULL
     body = _completion(list(range(400, 400 + settings.small_prompt_tokens)), settings.answer_tokens)
     progress(f"profile: the picker under cProfile, {variant}, closed loop for {settings.profile_seconds:.0f} s")
     with started_stack(engine_settings=engines, variants=(variant,), profile_path=path) as stack:
-        outcomes, seconds = run(closed_loop(stack.envoys[variant].url, settings.throughput_concurrency,
+        outcomes, seconds = run(closed_loop(envoy_of(stack, variant).url, settings.throughput_concurrency,
                                             settings.profile_seconds, lambda _: ("/v1/completions", body),
                                             warmup=settings.throughput_warmup))
         stack.wait_idle(settings.idle_timeout)
@@ -339,16 +326,15 @@ def run(coroutine: Any) -> Any:
 @contextlib.contextmanager
 def started_stack(*, engine_settings: EngineSettings, variants: tuple[str, ...], picker_flags: tuple[str, ...] = (),
                   profile_path: Path | None = None, attempts: int = 3, engines: int = ENGINES,
-                  state: str = "services") -> Iterator[GatewayStack]:
+                  state: str = "services") -> Iterator[Stack]:
     """A stack up and ready; a start-up that fails (a port taken between its choice and its bind
     by another process on this shared machine) is tried again with other ports."""
     for attempt in range(1, attempts + 1):
-        kwargs: dict[str, Any] = {"engines": engines, "engine_settings": engine_settings, "variants": variants,
-                                  "picker_flags": picker_flags, "state": state}
-        stack = _ProfiledStack(profile_path, **kwargs) if profile_path is not None else GatewayStack(**kwargs)
+        stack = gateway_stack(engines=engines, engine_settings=engine_settings, variants=variants,
+                              picker_flags=picker_flags, state=state, profile_path=profile_path)
         try:
             stack.__enter__()
-        except RuntimeError as exc:
+        except StackError as exc:
             if attempt == attempts:
                 raise
             progress(f"stack start-up failed ({str(exc).splitlines()[0][:160]}); trying again")
@@ -360,24 +346,15 @@ def started_stack(*, engine_settings: EngineSettings, variants: tuple[str, ...],
         return
 
 
-def _pid(envoy: Envoy) -> int:
-    assert envoy.process is not None
-    return envoy.process.pid  # taskset execs envoy: the same pid
-
-
-def _picker_cpu(stack: GatewayStack) -> float:
-    return stack.picker_cpu_seconds() if stack.picker_pid else 0.0
-
-
 def _ext_proc_stats(envoy: Envoy) -> dict[str, int]:
     prefix = "http.inference.ext_proc."
-    return {name[len(prefix):]: value for name, value in envoy.stats(prefix).items()}
+    return {name[len(prefix):]: value for name, value in envoy.stats("^" + prefix).items()}
 
 
-def _service_calls(stack: GatewayStack) -> float:
+def _service_calls(stack: Stack) -> float:
     """Requests the slot tracker and the indexer have served (the picker is their only client
     during a run, apart from the indexer's KV events, which come over ZMQ)."""
-    if not stack.picker_pid:
+    if not stack.has_picker:
         return 0.0
     import httpx
 
@@ -420,7 +397,7 @@ def machine() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     try:
-        version = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True, timeout=20).stdout
+        version = subprocess.run([envoy_binary() or "envoy", "--version"], capture_output=True, text=True, timeout=20).stdout
         envoy = version.strip().split("version: ", 1)[-1].split("/")[1]
     except (OSError, IndexError, RuntimeError, subprocess.TimeoutExpired):
         envoy = "unknown"

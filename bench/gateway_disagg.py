@@ -38,6 +38,7 @@ import orjson
 
 from dynamo_lite.simulate import standin
 from dynamo_lite.simulate.trace import MOONCAKE_BLOCK_TOKENS, TraceRecord, load_trace
+from dynamo_lite.stack import Stack
 
 from . import gateway_trace
 from .gateway_load import open_loop
@@ -51,7 +52,6 @@ from .gateway_routing import (
     prompt_of,
     real_run,
 )
-from .gateway_stack import GatewayStack
 from .runner import progress
 
 # The stand-in's defaults (docs/engine-stand-in.md): 200 Gb/s, 128 KiB of KV per (real) token.
@@ -137,7 +137,7 @@ def _metric_sum(text: str, name: str) -> dict[str, float]:
     return found
 
 
-def _measure(stack: GatewayStack) -> dict[str, Any]:
+def _measure(stack: Stack) -> dict[str, Any]:
     """The picker's disaggregation decisions and the sidecars' prefill fallbacks."""
     decisions: dict[str, int] = {}
     prefix = 'dynamo_lite_epp_disagg_decisions_total{reason="'

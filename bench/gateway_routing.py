@@ -35,12 +35,13 @@ import orjson
 from dynamo_lite.scheduling import dynamo_config
 from dynamo_lite.simulate import standin
 from dynamo_lite.simulate.trace import TraceRecord, load_trace
+from dynamo_lite.stack import LEAST_REQUEST, PICKER_FULL, ROUND_ROBIN, Stack
 from dynamo_lite.timing import TimingModel
 
 from . import gateway_chat, gateway_trace
 from .gateway_chat import ChatShape
 from .gateway_load import Outcome, Planned, open_loop, percentile, summarise
-from .gateway_stack import BLOCK_SIZE, LEAST_REQUEST, PICKER_FULL, ROUND_ROBIN, EngineSettings, GatewayStack
+from .gateway_stack import BLOCK_SIZE, EngineSettings, envoy_of, picker_cpu_seconds
 from .runner import progress
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,7 +197,7 @@ def _row(summary_fields: dict[str, Any], outcomes: Sequence[Outcome], wall: floa
             "engine_shares": shares}
 
 
-def engine_counts(stack: GatewayStack) -> list[float]:
+def engine_counts(stack: Stack) -> list[float]:
     """Requests each engine answered (its vllm:time_to_first_token_seconds count)."""
     counts = []
     for engine in stack.engines:
@@ -208,16 +209,16 @@ def engine_counts(stack: GatewayStack) -> list[float]:
 
 def real_run(settings: RoutingSettings, workload: Workload, policy: Policy, engines: EngineSettings,
              run: Callable[[Any], Any], started_stack: Callable[..., Any],
-             measure: Callable[[GatewayStack], dict[str, Any]] | None = None) -> dict[str, Any]:
+             measure: Callable[[Stack], dict[str, Any]] | None = None) -> dict[str, Any]:
     """One fresh stack, the workload through it; `measure` reads more from the stack at the end
     (into the row)."""
     with started_stack(engines=settings.engines, engine_settings=engines, variants=(policy.variant,),
                        picker_flags=policy.picker_flags) as stack:
-        cpu_before = stack.picker_cpu_seconds() if stack.picker_pid else 0.0
-        outcomes, wall = run(workload.send(stack.envoys[policy.variant].url))
-        picker_cpu = (stack.picker_cpu_seconds() - cpu_before) / len(outcomes) if stack.picker_pid else None
+        cpu_before = picker_cpu_seconds(stack) if stack.has_picker else 0.0
+        outcomes, wall = run(workload.send(envoy_of(stack, policy.variant).url))
+        picker_cpu = (picker_cpu_seconds(stack) - cpu_before) / len(outcomes) if stack.has_picker else None
         counts = engine_counts(stack)
-        left, _ = stack.wait_idle(settings.idle_timeout) if stack.picker_pid else (0, 0.0)
+        left, _ = stack.wait_idle(settings.idle_timeout) if stack.has_picker else (0, 0.0)
         measured = measure(stack) if measure is not None else {}
     total = sum(counts) or 1.0
     row = _row(asdict(summarise(outcomes)), outcomes, wall, [count / total for count in counts], workload.first_tokens)

@@ -22,8 +22,10 @@ from typing import Any
 
 import orjson
 
+from dynamo_lite.stack import PICKER_FULL, PICKER_OBSERVER_5S, ROUND_ROBIN, Stack
+
 from .gateway_load import Outcome, Planned, open_loop, summarise
-from .gateway_stack import MODEL, PICKER_FULL, PICKER_OBSERVER_5S, ROUND_ROBIN, EngineSettings, GatewayStack
+from .gateway_stack import MODEL, EngineSettings, envoy_of, picker_cpu_seconds
 from .runner import progress
 
 STATES = ("services", "in-process")
@@ -47,7 +49,7 @@ def by_state(settings: Any, run: Callable[[Any], Any], started_stack: Callable[.
     progress(f"added latency by state: {rounds} round(s) of {count} small streamed requests per path at "
              f"{settings.latency_rate:.0f} req/s; round robin, then the picker with each state")
     with contextlib.ExitStack() as running:
-        stacks: dict[str, GatewayStack] = {
+        stacks: dict[str, Stack] = {
             state: running.enter_context(started_stack(engine_settings=engines, state=state,
                                                        variants=(*CONFIGS, ROUND_ROBIN)))
             for state in STATES}
@@ -56,13 +58,13 @@ def by_state(settings: Any, run: Callable[[Any], Any], started_stack: Callable[.
         cpu = dict.fromkeys(paths, 0.0)
         picks = dict.fromkeys(paths, (0.0, 0.0))
         for _ in range(rounds):
-            done, _ = run(open_loop(stacks[STATES[0]].envoys[ROUND_ROBIN].url, plan))
+            done, _ = run(open_loop(envoy_of(stacks[STATES[0]], ROUND_ROBIN).url, plan))
             outcomes[ROUND_ROBIN] += done
             for path in paths:
                 stack = stacks[path[0]]
-                before, started = stack.picker_metrics(), stack.picker_cpu_seconds()
-                done, _ = run(open_loop(stack.envoys[path[1]].url, plan))
-                cpu[path] += stack.picker_cpu_seconds() - started
+                before, started = stack.picker_metrics(), picker_cpu_seconds(stack)
+                done, _ = run(open_loop(envoy_of(stack, path[1]).url, plan))
+                cpu[path] += picker_cpu_seconds(stack) - started
                 after = stack.picker_metrics()
                 picks[path] = tuple(was + after.get(name, 0) - before.get(name, 0) for was, name in zip(
                     picks[path], ("dynamo_lite_epp_pick_seconds_count", "dynamo_lite_epp_pick_seconds_sum")))

@@ -1,43 +1,30 @@
-"""Feeding the reference indexer: one ZMQ XPUB socket per worker, as vLLM engines do.
+"""Feeding the reference indexer: one ZMQ publisher per worker, as vLLM engines do.
 
-The reference connects a SUB socket to the endpoint given in `POST /register`; XPUB with
-`XPUB_VERBOSE` lets us see that subscription arrive before publishing (a SUB that connects
-late never sees earlier messages). Frames are `[topic, seq (u64 big-endian), payload]`, as in
-tests/support/fake_engine.py.
+The project's engine publisher (`dynamo_lite.kv_publishers.EnginePublisher`, vLLM's legacy
+layout, as tests/support/fake_engine.py uses it) with what a fill needs: no replay, a send queue
+that never drops (the whole fill may be queued before the reference drains it), and payloads
+encoded beforehand. The reference connects a SUB socket to the endpoint given in
+`POST /register`; `wait_subscribed` sees that subscription arrive before anything is published
+(a SUB that connects late never sees earlier messages).
 """
 
 from __future__ import annotations
 
-import struct
-import time
-
 import zmq
+
+from dynamo_lite.kv_publishers import EnginePublisher, WireFormat
 
 TOPIC = b"kv-events"
 
 
-class Publisher:
+class Publisher(EnginePublisher):
     def __init__(self, context: zmq.Context, worker_id: int) -> None:
+        super().__init__(WireFormat.VLLM_LEGACY, topic=TOPIC, replay=False, context=context, send_hwm=0)
         self.worker_id = worker_id
-        self._socket = context.socket(zmq.XPUB)
-        self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)
-        # Never drop: the whole fill may be queued before the reference drains it.
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self._seq = 0
 
     def wait_subscribed(self, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._socket.poll(200, zmq.POLLIN) and self._socket.recv()[:1] == b"\x01":
-                return
-        raise TimeoutError(f"nobody subscribed to {self.endpoint} within {timeout:.0f} s")
+        self.wait_for_subscribers(1, timeout)
 
     def send(self, payload: bytes) -> None:
-        self._socket.send_multipart([TOPIC, struct.pack(">Q", self._seq), payload])
-        self._seq += 1
-
-    def close(self) -> None:
-        self._socket.close(0)
+        """`payload` as the next batch, `[TOPIC, seq, payload]`."""
+        self.publish_raw(payload)

@@ -400,9 +400,11 @@ class EnginePublisher:
         context: zmq.Context | None = None,
         bind: str | None = None,
         replay_bind: str | None = None,
+        send_hwm: int = 1_000_000,
     ) -> None:
         """`bind` / `replay_bind`: the addresses to bind, as an engine's `endpoint` and
-        `replay_endpoint` (e.g. `tcp://*:5557`); None binds a free loopback port."""
+        `replay_endpoint` (e.g. `tcp://*:5557`); None binds a free loopback port. `send_hwm`:
+        messages queued per subscriber before ZMQ drops (0: never drop, the queue grows)."""
         self.fmt = fmt
         self.dp_rank = dp_rank
         self.topic = topic
@@ -434,7 +436,7 @@ class EnginePublisher:
         # every subscription, not only the first one for a given prefix.
         self._pub = self._context.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self._pub.setsockopt(zmq.SNDHWM, 1_000_000)
+        self._pub.setsockopt(zmq.SNDHWM, send_hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self.endpoint = _bind(self._pub, bind)
 
@@ -508,8 +510,9 @@ class EnginePublisher:
             seq = self.seq
             self.seq += 1
             message = [self.topic, seq.to_bytes(8, "big"), payload]
-            with self._lock:
-                self._buffer.append((seq, payload))
+            if self._router is not None:  # without replay nothing is ever read back
+                with self._lock:
+                    self._buffer.append((seq, payload))
         if self._drop > 0:
             self._drop -= 1
         else:

@@ -12,7 +12,7 @@ import pytest
 
 from bench import gateway, gateway_disagg
 from bench.gateway_disagg import DisaggSettings
-from bench.gateway_stack import EngineSettings, GatewayStack
+from bench.gateway_stack import EngineSettings, gateway_stack
 from dynamo_lite.simulate.trace import TraceRecord
 
 
@@ -44,25 +44,25 @@ def test_the_slice_is_the_long_prompts_in_trace_order_spread_over_the_stated_spa
 def test_the_disaggregated_fleet_has_sidecars_roles_and_kv_connectors() -> None:
     settings = EngineSettings(num_blocks=500, roles=("prefill", "decode"),
                               kv_transfer=["--kv-transfer-bandwidth-gbps", "200"])
-    stack = GatewayStack(engines=2, engine_settings=settings, variants=())
+    stack = gateway_stack(engines=2, engine_settings=settings, variants=())
     prefill, decode = stack.engines
     assert prefill.endpoint == prefill.address and decode.endpoint != decode.address
-    entries = [stack._pool_entry(engine) for engine in stack.engines]
+    entries = stack.pool()
     assert [(e["role"], e["address"], e["total_kv_blocks"]) for e in entries] == [
         ("prefill", prefill.address, 500), ("decode", decode.endpoint, 500)]
     assert entries[1]["kv_events_endpoint"] == f"tcp://127.0.0.1:{decode.events_port}"  # the engine's own
-    flags = stack._engine_argv(decode)
+    flags = stack.process("engine1").argv
     config = json.loads(flags[flags.index("--kv-transfer-config") + 1])
     assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
     assert "--kv-transfer-bandwidth-gbps" in flags
-    assert f"http://{decode.address}" in stack._sidecar_argv(decode)
-    plain = GatewayStack(engines=2, engine_settings=EngineSettings(), variants=())
-    assert "role" not in plain._pool_entry(plain.engines[0])
-    assert "--kv-transfer-config" not in plain._engine_argv(plain.engines[0])
+    assert f"http://{decode.address}" in stack.process("sidecar1").argv
+    plain = gateway_stack(engines=2, engine_settings=EngineSettings(), variants=())
+    assert "role" not in plain.pool()[0]
+    assert "--kv-transfer-config" not in plain.process("engine0").argv
     for made in (stack, plain):
         shutil.rmtree(made.workdir, ignore_errors=True)  # made, never entered: nothing started
     with pytest.raises(ValueError):
-        GatewayStack(engines=3, engine_settings=settings, variants=())
+        gateway_stack(engines=3, engine_settings=settings, variants=())
 
 
 def test_the_table_has_a_row_per_fleet_with_the_picker_s_decisions() -> None:

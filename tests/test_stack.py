@@ -5,6 +5,7 @@ and Ctrl-C stops every process it started."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +17,23 @@ import openai
 import pytest
 import yaml
 from support.docs_support import marked_blocks
-from support.envoy_support import envoy_binary
 from support.pd_support import metric
 from support.reference_server import listening
+
+from dynamo_lite.epp.envoy_config import EXT_PROC, cluster, http_filter, http_filters
+from dynamo_lite.stack import (
+    LEAST_REQUEST,
+    PICKER_ACCESS_LOG,
+    PICKER_FULL,
+    PICKER_HEADERS_ONLY,
+    PICKER_OBSERVER,
+    ROUND_ROBIN,
+    EnvoySettings,
+    Stack,
+    StackError,
+    envoy_binary,
+    envoy_config,
+)
 
 PORTS = (8081, 8090, 8091, 8000, 8001, 9002, 9003, 9901)
 
@@ -125,3 +140,69 @@ def test_the_stack_refuses_half_a_disaggregated_fleet(flags: list[str], wording:
     result = subprocess.run([sys.executable, "-m", "dynamo_lite.stack", *flags], capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 2 and wording in result.stderr, result.stderr
+
+
+# -- the library (dynamo_lite.stack.Stack) the command, the tests and the benchmarks build on --------
+
+
+def test_a_killed_part_is_started_again_on_its_ports_and_waited_for() -> None:
+    with Stack(engines=1, envoys={}, speedup=50.0, log_level="warning") as stack:
+        engine = stack.engines[0]
+        assert httpx.get(engine.url + "/health", timeout=5).status_code == 200
+        stack.kill("engine0")  # SIGKILL: no goodbye
+        assert [process.name for process in stack.dead()] == ["engine0"]
+        assert not listening(engine.port)
+        stack.start("engine0")
+        assert stack.dead() == [] and httpx.get(engine.url + "/health", timeout=5).status_code == 200
+        stack.kill("indexer")
+        stack.restart("indexer")  # a dead part restarts too
+        assert httpx.get(stack.indexer + "/ready", timeout=5).status_code == 200
+        picker = stack.process("picker")
+        pid = picker.pid
+        stack.restart("picker")  # a graceful stop, then the same ports again
+        assert picker.pid != pid and stack.wait_ready("picker") is picker
+        assert stack.wait_idle() == (0, pytest.approx(0, abs=1))
+    assert not any(process.alive() for process in stack.processes.values())
+
+
+def test_the_working_folder_goes_with_a_clean_stop_and_stays_after_a_failure(tmp_path: Path) -> None:
+    with Stack(engines=0, picker=False, envoys={}) as clean:
+        assert (clean.workdir / "slot_tracker.log").exists()
+    assert not clean.workdir.exists()
+    failing = Stack(engines=0, picker=False, envoys={})
+    with pytest.raises(RuntimeError), failing:
+        raise RuntimeError("a test failed while the stack ran")
+    assert (failing.workdir / "indexer.log").exists()  # kept, to be read
+    shutil.rmtree(failing.workdir)
+    refused = Stack(engines=1, picker=False, envoys={}, engine_flags=["--no-such-flag"])
+    with pytest.raises(StackError, match="engine0 exited before it was ready") as start_up:
+        refused.__enter__()
+    assert "--no-such-flag" in str(start_up.value) and refused.workdir.exists()
+    shutil.rmtree(refused.workdir)
+    given = tmp_path / "given"
+    with Stack(engines=0, picker=False, envoys={}, workdir=given):
+        pass
+    assert (given / "slot_tracker.log").exists()  # a folder given is the caller's
+
+
+def test_the_envoy_variants_change_only_what_they_name() -> None:
+    def config(variant: str) -> dict:
+        return envoy_config(EnvoySettings(variant), listen_port=1, admin_port=2, picker_port=3, engines=["127.0.0.1:4"])
+
+    def filters(variant: str) -> list[str]:
+        return [f["name"] for f in http_filters(config(variant))]
+
+    full = filters(PICKER_FULL)
+    assert EXT_PROC in full and EXT_PROC + ".observer" not in full
+    assert filters(PICKER_OBSERVER) == [*full[:full.index(EXT_PROC) + 1], EXT_PROC + ".observer",
+                                        *full[full.index(EXT_PROC) + 1:]]
+    for balancer in (ROUND_ROBIN, LEAST_REQUEST):
+        assert EXT_PROC not in filters(balancer)
+        assert [c["name"] for c in config(balancer)["static_resources"]["clusters"]] == ["engines"]
+        assert cluster(config(balancer), "engines")["lb_policy"] == balancer.upper()
+    mode = http_filter(config(PICKER_HEADERS_ONLY), EXT_PROC)["typed_config"]["processing_mode"]
+    assert (mode["response_body_mode"], mode["response_trailer_mode"]) == ("NONE", "SKIP")
+    assert "access_log" in config(PICKER_ACCESS_LOG)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]
+    with pytest.raises(ValueError):
+        EnvoySettings("no such variant")

@@ -1,32 +1,28 @@
-"""Test support: a fake vLLM-style engine that publishes KV events over ZMQ.
+"""Test support: a fake vLLM-style engine whose KV events go over ZMQ through the project's one
+engine publisher (`dynamo_lite.kv_publishers.EnginePublisher`), and the model of what an indexer
+fed by a fleet of them must hold.
 
 Dynamo 1.6.1's indexer ingests KV events from engines over ZMQ: `POST /register` names the
 engine's PUB endpoint and the indexer connects a SUB socket to it (empty subscription). Ours
 ingests the same events over HTTP (`POST /events`, the `/dump` document shape). `FakeEngine`
 produces both from one list of events, so a test can feed the reference and ours identically:
 
-* wire (as Dynamo 1.6.1 reads it): one message per batch, exactly three frames
-  `[topic, seq (8-byte big-endian u64, counting from 0 per socket), msgpack(KVEventBatch)]`,
-  `KVEventBatch = [ts: float, [event, ...], data_parallel_rank]`, events in vLLM's positional
-  form:
-
-      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, None, medium, lora_name]
-      ["BlockRemoved", block_hashes, medium]
-      ["AllBlocksCleared"]
-
-  A store with a `cache_salt` is written in the map form instead, the only form that can
-  carry one: `{"type": "BlockStored", ..., "cache_salt": salt}`.
+* wire: one message per batch, `[topic, seq (8-byte big-endian, from 0), payload]`, the payload
+  in `WireFormat.VLLM_LEGACY` (the vLLM Dynamo 1.6.1 was built against: a positional batch
+  `[ts, events, data_parallel_rank]` of positional events such as
+  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, None, medium,
+  lora_name]`), or `WireFormat.VLLM` (vLLM 0.33's tagged map events) with `map_events`. vLLM has
+  no field for a `cache_salt`: a batch with a salted store goes in `WireFormat.SGLANG`, whose
+  BlockStored carries one.
 * ours: one RouterEvent per wire event, `tokens_hash` = the local block hash of each
   block's tokens (with the event's lora_name / cache_salt), `block_hash` = the engine's
   external hash, `storage_tier` from the medium (None/"GPU" device, "CPU" host_pinned, "DISK"
   disk), `event_id` = the seq of the batch the event came in (Dynamo's live RouterEvents carry
   the batch's ZMQ sequence number), so a batch of several events shares one id.
 
-The slow-joiner problem: a SUB socket that connects after messages were published never sees
-them, and the reference connects only after `/register`. The engine binds an XPUB socket with
-`XPUB_VERBOSE`, so every subscriber's subscription frame (`b"\\x01" + prefix`) reaches it;
-`wait_for_subscribers(n)` blocks until n subscriptions arrived. A subscription travels over the
-established connection, so whatever is published after it is delivered.
+A SUB socket that connects after messages were published never sees them, and the reference
+connects only after `/register`: `wait_for_subscribers(n)` (the publisher's XPUB socket sees each
+subscription) blocks until n subscriptions arrived.
 
 `Workload` (second half of the file) drives several FakeEngines with a seeded, realistic and
 clean-domain event stream and keeps the expected outcome: `expected_facts()` (a dump,
@@ -35,17 +31,16 @@ normalised as by `dump_facts`), `expected_answer()` (a query response) and `samp
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-import msgpack
 import zmq
 
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
 from dynamo_lite.integers import U64_MASK
+from dynamo_lite.kv_publishers import Cleared, EnginePublisher, Removed, Stored, WireFormat, encode_batch
 
 MEDIUM_TIER: dict[str | None, str] = {None: "device", "GPU": "device", "CPU": "host_pinned", "DISK": "disk"}
 
@@ -66,29 +61,10 @@ class BlockStored:
     cache_salt: str | None = None
     signed_on_wire: bool = False
 
-    def wire(self, map_form: bool = False) -> Any:
-        hashes = [_wire_hash(h, self.signed_on_wire) for h in self.block_hashes]
+    def wire(self) -> Stored:
         parent = None if self.parent_block_hash is None else _wire_hash(self.parent_block_hash, self.signed_on_wire)
-        if map_form and self.cache_salt is None:
-            # vLLM 0.33: every declared field but the optional tail, in declaration order.
-            return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-                    "token_ids": list(self.token_ids), "block_size": self.block_size, "lora_id": None,
-                    "medium": self.medium, "lora_name": self.lora_name}
-        if self.cache_salt is not None:
-            event: dict[str, Any] = {
-                "type": "BlockStored",
-                "block_hashes": hashes,
-                "parent_block_hash": parent,
-                "token_ids": list(self.token_ids),
-                "block_size": self.block_size,
-                "cache_salt": self.cache_salt,
-            }
-            if self.medium is not None:
-                event["medium"] = self.medium
-            if self.lora_name is not None:
-                event["lora_name"] = self.lora_name
-            return event
-        return ["BlockStored", hashes, parent, list(self.token_ids), self.block_size, None, self.medium, self.lora_name]
+        return Stored([_wire_hash(h, self.signed_on_wire) for h in self.block_hashes], parent, list(self.token_ids),
+                      self.block_size, medium=self.medium, lora_name=self.lora_name, cache_salt=self.cache_salt)
 
     def data(self) -> dict[str, Any]:
         locals_ = local_block_hashes(
@@ -114,11 +90,8 @@ class BlockRemoved:
     medium: str | None = None
     signed_on_wire: bool = False
 
-    def wire(self, map_form: bool = False) -> Any:
-        hashes = [_wire_hash(h, self.signed_on_wire) for h in self.block_hashes]
-        if map_form:
-            return {"type": "BlockRemoved", "block_hashes": hashes, "medium": self.medium}
-        return ["BlockRemoved", hashes, self.medium]
+    def wire(self) -> Removed:
+        return Removed([_wire_hash(h, self.signed_on_wire) for h in self.block_hashes], self.medium)
 
     def data(self) -> dict[str, Any]:
         return {"removed": {"block_hashes": [h & U64_MASK for h in self.block_hashes]}}
@@ -128,8 +101,8 @@ class BlockRemoved:
 class AllBlocksCleared:
     medium: None = None
 
-    def wire(self, map_form: bool = False) -> Any:
-        return {"type": "AllBlocksCleared"} if map_form else ["AllBlocksCleared"]
+    def wire(self) -> Cleared:
+        return Cleared()
 
     def data(self) -> Any:
         return "cleared"
@@ -165,7 +138,8 @@ def events_document(sections: Iterable[tuple[str, str, int, list[dict[str, Any]]
 
 
 class FakeEngine:
-    """One engine (worker_id, dp_rank) with its own XPUB socket on a free loopback port."""
+    """One engine (worker_id, dp_rank): an `EnginePublisher` (no replay) on a free loopback port,
+    plus the RouterEvents ours is fed for the same batches."""
 
     def __init__(
         self,
@@ -185,19 +159,11 @@ class FakeEngine:
         self.model_name = model_name
         self.block_size = block_size
         self.tenant_id = tenant_id
-        self.topic = topic
         self.batch_dp_rank = batch_dp_rank  # vLLM fills data_parallel_rank; False sends nil
-        self.map_events = map_events  # vLLM 0.33's events (tagged maps) instead of positional ones
-        self._own_context = context is None
-        self._context = zmq.Context() if context is None else context
-        self._socket = self._context.socket(zmq.XPUB)
-        self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass every subscription, not only the first
-        self._socket.setsockopt(zmq.SNDHWM, 1_000_000)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.seq = 0  # next ZMQ sequence number, and the event_id of its RouterEvents
-        self.subscribers = 0
+        # vLLM 0.33's events (tagged maps) instead of positional ones.
+        self.format = WireFormat.VLLM if map_events else WireFormat.VLLM_LEGACY
+        self._publisher = EnginePublisher(self.format, dp_rank=dp_rank, topic=topic, replay=False, context=context)
+        self.endpoint = self._publisher.endpoint
         self.published: list[dict[str, Any]] = []  # RouterEvents not yet taken by `take_router_events`
 
     # --- registration --------------------------------------------------------------------------
@@ -227,35 +193,21 @@ class FakeEngine:
 
     def wait_for_subscribers(self, count: int = 1, timeout: float = 10.0) -> None:
         """Block until `count` subscriptions (net of unsubscriptions) have arrived."""
-        deadline = time.monotonic() + timeout
-        while self.subscribers < count:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"engine {self.worker_id}/{self.dp_rank} at {self.endpoint}: "
-                    f"{self.subscribers} of {count} subscribers after {timeout:.0f} s"
-                )
-            if self._socket.poll(int(min(remaining, 0.2) * 1000), zmq.POLLIN):
-                frame = self._socket.recv()
-                if frame[:1] == b"\x01":
-                    self.subscribers += 1
-                elif frame[:1] == b"\x00":
-                    self.subscribers -= 1
+        self._publisher.wait_for_subscribers(count, timeout)
 
     # --- publishing ----------------------------------------------------------------------------
 
+    def payload(self, events: Sequence[EngineEvent], timestamp: float) -> bytes:
+        """The batch's payload frame: in this engine's format, or SGLang's when a store is salted."""
+        salted = any(isinstance(event, BlockStored) and event.cache_salt is not None for event in events)
+        return encode_batch(WireFormat.SGLANG if salted else self.format, [event.wire() for event in events],
+                            dp_rank=self.dp_rank if self.batch_dp_rank else None, ts=timestamp)
+
     def publish(self, events: Sequence[EngineEvent], *, timestamp: float | None = None) -> list[dict[str, Any]]:
-        """Send one KVEventBatch with `events`; returns (and records) the matching RouterEvents."""
-        batch = [
-            time.time() if timestamp is None else timestamp,
-            [event.wire(self.map_events) for event in events],
-            self.dp_rank if self.batch_dp_rank else None,
-        ]
-        payload = msgpack.packb(batch, use_bin_type=True)
-        self._socket.send_multipart([self.topic, struct.pack(">Q", self.seq), payload])
+        """Send one batch with `events`; returns (and records) the matching RouterEvents."""
+        seq = self._publisher.publish_raw(self.payload(events, time.time() if timestamp is None else timestamp))
         # As in Dynamo's RouterEvent stream, every event of the batch carries its seq as id.
-        produced = [router_event(event, self.worker_id, self.dp_rank, self.seq) for event in events]
-        self.seq += 1
+        produced = [router_event(event, self.worker_id, self.dp_rank, seq) for event in events]
         self.published.extend(produced)
         return produced
 
@@ -265,9 +217,7 @@ class FakeEngine:
         return taken
 
     def close(self) -> None:
-        self._socket.close(0)
-        if self._own_context:
-            self._context.term()
+        self._publisher.close()
 
     def __enter__(self) -> FakeEngine:
         return self

@@ -25,7 +25,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import random
 import shutil
 import signal
 import socket
@@ -38,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+# One port chooser for every process of a run: the stack library's (never the same port twice).
+from dynamo_lite.stack import free_port  # noqa: F401 - re-exported for the tests
 
 REFERENCE_REQUIREMENT = "ai-dynamo-runtime==1.6.1"
 REFERENCE_MODULE = "dynamo.slot_tracker"
@@ -212,42 +214,6 @@ def _file_lock(path: Path, *, timeout: float) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 # Running services
 # --------------------------------------------------------------------------------------------
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A TCP port that is currently free on all IPv4 interfaces (the reference binds 0.0.0.0).
-
-    Chosen below the kernel's ephemeral range: a port from that range (what binding port 0
-    hands out) can be taken by any outgoing connection between this call and the service's
-    bind, which made multi-process tests fail now and then ("port already in use"). Never the
-    same port twice in one test run: a stack asks for thirty ports before it binds any, and
-    two equal random picks among ~20,000 happened often enough to fail a run."""
-    low, _ = _ephemeral_range()
-    candidates = list(range(10_000, low)) if low > 11_000 else []
-    for port in random.sample(candidates, min(len(candidates), 50)):
-        if port in _handed_out:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            _handed_out.add(port)
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("0.0.0.0", 0))
-        return sock.getsockname()[1]
 
 
 def listening(port: int) -> bool:
