@@ -20,8 +20,9 @@ from support.gateway_stack import MODEL, GatewayStack
 from support.reference_server import ServerURL
 
 from dynamo_lite.epp.booking import Booking, BookingTarget, InFlight
+from dynamo_lite.epp.endpoint import PoolEndpoint
 from dynamo_lite.epp.metrics import EppMetrics
-from dynamo_lite.epp.pool import PoolEndpoint, indexer_rank, tracker_workers
+from dynamo_lite.epp.registration import indexer_rank, tracker_workers
 from dynamo_lite.epp.state import LocalState
 
 NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing answers there
