@@ -31,7 +31,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
                                                              "epp/health.py")),
     ("picking and bookkeeping (picker, booking, hashing, routing)", ("epp/picker.py", "epp/booking.py",
                                                                      "epp/prompt.py", "epp/queue.py",
-                                                                     "epp/pool.py", "hashing.py", "routing.py",
+                                                                     "epp/endpoint.py", "hashing.py", "routing.py",
                                                                      "slot_tracker/core.py")),
     ("asyncio event loop", ("/asyncio/", "uvloop")),
     ("metrics and logging", ("/prometheus_client/", "/logging/", "epp/metrics.py")),

@@ -3,7 +3,9 @@ shares them with others: the endpoint picker (its pool) and a selection service 
 (its catalog) both register the same engines the services may already know.
 
 A slot tracker registration is a whole worker with its ranks as one range (`TrackerWorker`); an
-indexer registration is one rank with its engine's KV-event endpoints (`IndexedRank`).
+indexer registration is one rank with its engine's KV-event endpoints (`IndexedRank`). Both are
+`reconcile.Unit`s: `Registrar.tracker_registry` and `indexer_registry` let a `reconcile.Reconciler`
+keep a wanted set of them registered.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ._async_client import AsyncIndexerClient, AsyncSlotTrackerClient
 from ._client_base import IndexerWorker, ServiceCallError, ServiceStatusError, TransportError
+from .reconcile import Registry
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,17 @@ class TrackerWorker:
         ranks = f"dp_rank {self.dp_start}" if self.dp_size == 1 else f"dp_ranks {self.dp_start}..{last}"
         return f"worker {self.worker_id} ({ranks}) of model={self.model} tenant_id={self.tenant_id}"
 
+    def describe_registration(self) -> str:
+        return self.describe()
+
+    def settings(self) -> str:
+        """What a registration sets beyond `describe()`, for a conflict's message."""
+        return f"block_size {self.block_size}"
+
+    def held_settings(self) -> str:
+        """What a listed registration holds, for a conflict's message."""
+        return f"block_size {self.block_size}, dp_ranks {self.dp_start}..{self.dp_start + self.dp_size - 1}"
+
 
 @dataclass(frozen=True)
 class IndexedRank:
@@ -73,6 +87,17 @@ class IndexedRank:
     def describe(self) -> str:
         return f"worker {self.worker_id} dp_rank {self.dp_rank} of model={self.model} tenant_id={self.tenant_id}"
 
+    def describe_registration(self) -> str:
+        return self.describe() + (f" (KV events from {self.endpoint})" if self.endpoint else "")
+
+    def settings(self) -> str:
+        """What a registration sets beyond `describe()`, for a conflict's message."""
+        return f"block_size {self.block_size}, endpoint {self.endpoint}, replay_endpoint {self.replay_endpoint}"
+
+    def held_settings(self) -> str:
+        """What a listed registration holds, for a conflict's message."""
+        return self.settings()
+
 
 _TRANSIENT_STATUSES = frozenset({408, 429})
 
@@ -90,8 +115,46 @@ _SERVICE_ERRORS = (ServiceCallError,)
 
 T = TypeVar("T")
 
+
+class _Unit(Protocol):
+    """What the flows below read of a `TrackerWorker` or an `IndexedRank`."""
+
+    def __hash__(self) -> int: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def tenant_id(self) -> str: ...
+
+    @property
+    def identity(self) -> tuple[Any, ...]: ...
+
+    def describe(self) -> str: ...
+
+    def describe_registration(self) -> str: ...
+
+    def settings(self) -> str: ...
+
+    def held_settings(self) -> str: ...
+
+
+U = TypeVar("U", bound=_Unit)
+
 SLOT_TRACKER = "slot tracker"
 INDEXER = "indexer"
+
+
+@dataclass(frozen=True)
+class _Service(Generic[U]):
+    """One service's calls by registration unit, so the register → 409 → list → compare flow,
+    unregistering and listing are written once for both."""
+
+    name: str
+    register: Callable[[U], Awaitable[None]]
+    unregister: Callable[[U], Awaitable[None]]
+    listing: Callable[[str | None, str | None], Awaitable[set[U]]]
+    """Its registrations, of one model and tenant or (None, None) all of them."""
 
 
 class Registrar:
@@ -103,6 +166,8 @@ class Registrar:
     exactly ours (another picker sharing the pool, or this one before a restart) is a success; a
     409 for anything else is a conflict, logged as an error (once while it lasts) and reported as
     not registered. At most `concurrency` calls are in flight at once.
+
+    `tracker_registry` and `indexer_registry` are the two services as `reconcile.Registry`s.
     """
 
     def __init__(
@@ -120,6 +185,26 @@ class Registrar:
         self._semaphore: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._failing: dict[str, str] = {}  # service -> the error that started its failure streak
         self._conflicts: dict[tuple[Any, ...], str] = {}  # logged conflicts, until resolved
+        self._tracker = _Service[TrackerWorker](
+            SLOT_TRACKER,
+            register=lambda w: slot_tracker.register(w.worker_id, w.model, w.block_size, dp_start=w.dp_start,
+                                                     dp_size=w.dp_size, tenant_id=w.tenant_id),
+            unregister=lambda w: slot_tracker.unregister(w.worker_id, w.model, tenant_id=w.tenant_id),
+            listing=self._tracker_units,
+        )
+        self._indexer = _Service[IndexedRank](
+            INDEXER,
+            register=lambda r: indexer.register(r.worker_id, r.model, r.block_size, dp_rank=r.dp_rank,
+                                                tenant_id=r.tenant_id, endpoint=r.endpoint,
+                                                replay_endpoint=r.replay_endpoint),
+            unregister=lambda r: indexer.unregister(r.worker_id, r.model, tenant_id=r.tenant_id, dp_rank=r.dp_rank),
+            listing=self._indexer_units,
+        )
+        self.tracker_registry = Registry[TrackerWorker](
+            SLOT_TRACKER, lambda: self._listing(self._tracker), self.register_tracker_worker,
+            self.unregister_tracker_worker)
+        self.indexer_registry = Registry[IndexedRank](
+            INDEXER, lambda: self._listing(self._indexer), self.register_indexer_rank, self.unregister_indexer_rank)
 
     # --- many at once ---------------------------------------------------------------------------
 
@@ -152,133 +237,84 @@ class Registrar:
     async def listed(self) -> tuple[set[TrackerWorker] | None, set[IndexedRank] | None]:
         """What each service has registered now (None for one that cannot be asked). Indexer
         ranks only seen in events or `/routed` (not registered) are left out."""
-        tracker, indexer = await asyncio.gather(self._tracker_listing(), self._indexer_listing())
+        tracker, indexer = await asyncio.gather(self._listing(self._tracker), self._listing(self._indexer))
         return tracker, indexer
 
     # --- one registration at a time -------------------------------------------------------------
 
     async def register_tracker_worker(self, worker: TrackerWorker) -> bool:
         """Register one worker with the slot tracker; True if it is registered exactly so now."""
-        try:
-            await self._call(SLOT_TRACKER, self.slot_tracker.register(
-                worker.worker_id, worker.model, worker.block_size,
-                dp_start=worker.dp_start, dp_size=worker.dp_size, tenant_id=worker.tenant_id,
-            ))
-        except _SERVICE_ERRORS as exc:
-            if transient(exc):
-                return False
-            if not (isinstance(exc, ServiceStatusError) and exc.status == 409):
-                self._conflict((SLOT_TRACKER, worker.identity), f"slot tracker refused to register {worker.describe()}: {exc}")
-                return False
-            try:
-                infos = await self._call(SLOT_TRACKER, self.slot_tracker.workers(worker.model, worker.tenant_id))
-            except _SERVICE_ERRORS as again:
-                if not transient(again):
-                    self._conflict((SLOT_TRACKER, worker.identity), f"slot tracker: listing workers failed: {again}")
-                return False
-            existing = next((info for info in infos if info.worker_id == worker.worker_id), None)
-            if existing is not None and _tracker_unit(existing) == worker:
-                self._resolved((SLOT_TRACKER, worker.identity))
-                return True
-            found = "" if existing is None else (
-                f"; it has block_size {existing.block_size}, dp_ranks {existing.dp_start}.."
-                f"{existing.dp_start + existing.dp_size - 1}"
-            )
-            self._conflict(
-                (SLOT_TRACKER, worker.identity),
-                f"slot tracker: cannot register {worker.describe()} with block_size {worker.block_size}: "
-                f"{exc.message}{found}",
-            )
-            return False
-        self._resolved((SLOT_TRACKER, worker.identity))
-        return True
+        return await self._register(self._tracker, worker)
 
     async def register_indexer_rank(self, rank: IndexedRank) -> bool:
         """Register one rank with the indexer; True if it is registered exactly so now."""
+        return await self._register(self._indexer, rank)
+
+    async def unregister_tracker_worker(self, worker: TrackerWorker) -> bool:
+        """Unregister a worker (by id, model and tenant) from the slot tracker; True once it is gone."""
+        return await self._unregister(self._tracker, worker)
+
+    async def unregister_indexer_rank(self, rank: IndexedRank) -> bool:
+        """Unregister one rank from the indexer; True once it is gone."""
+        return await self._unregister(self._indexer, rank)
+
+    # --- the flows, once for both services ------------------------------------------------------
+
+    async def _register(self, service: _Service[U], unit: U) -> bool:
+        key = (service.name, unit.identity)
         try:
-            await self._call(INDEXER, self.indexer.register(
-                rank.worker_id, rank.model, rank.block_size, dp_rank=rank.dp_rank, tenant_id=rank.tenant_id,
-                endpoint=rank.endpoint, replay_endpoint=rank.replay_endpoint,
-            ))
+            await self._call(service.name, service.register(unit))
         except _SERVICE_ERRORS as exc:
             if transient(exc):
                 return False
             if not (isinstance(exc, ServiceStatusError) and exc.status == 409):
-                self._conflict((INDEXER, rank.identity), f"indexer refused to register {rank.describe()}: {exc}")
+                self._conflict(key, f"{service.name} refused to register {unit.describe()}: {exc}")
                 return False
+            # Someone registered this identity already: a success if exactly as we would have.
             try:
-                infos = await self._call(INDEXER, self.indexer.workers(rank.model, rank.tenant_id))
+                listed = await self._call(service.name, service.listing(unit.model, unit.tenant_id))
             except _SERVICE_ERRORS as again:
                 if not transient(again):
-                    self._conflict((INDEXER, rank.identity), f"indexer: listing workers failed: {again}")
+                    self._conflict(key, f"{service.name}: listing workers failed: {again}")
                 return False
-            listed = _indexer_units(infos)
-            if rank in listed:
-                self._resolved((INDEXER, rank.identity))
+            if unit in listed:
+                self._resolved(key)
                 return True
-            existing = next((unit for unit in listed if unit.identity == rank.identity), None)
-            found = "" if existing is None else (
-                f"; it has block_size {existing.block_size}, endpoint {existing.endpoint}, "
-                f"replay_endpoint {existing.replay_endpoint}"
-            )
-            self._conflict(
-                (INDEXER, rank.identity),
-                f"indexer: cannot register {rank.describe()} with block_size {rank.block_size}, endpoint "
-                f"{rank.endpoint}, replay_endpoint {rank.replay_endpoint}: {exc.message}{found}",
-            )
+            existing = next((held for held in listed if held.identity == unit.identity), None)
+            found = "" if existing is None else f"; it has {existing.held_settings()}"
+            self._conflict(key, f"{service.name}: cannot register {unit.describe()} with {unit.settings()}: "
+                                f"{exc.message}{found}")
             return False
-        self._resolved((INDEXER, rank.identity))
+        self._resolved(key)
         return True
 
-    async def unregister_tracker_worker(self, worker: TrackerWorker) -> bool:
-        """Unregister a worker (by id, model and tenant) from the slot tracker; True once it is gone."""
+    async def _unregister(self, service: _Service[U], unit: U) -> bool:
         try:
-            await self._call(SLOT_TRACKER, self.slot_tracker.unregister(
-                worker.worker_id, worker.model, tenant_id=worker.tenant_id
-            ))
+            await self._call(service.name, service.unregister(unit))
         except _SERVICE_ERRORS as exc:
             if isinstance(exc, ServiceStatusError) and exc.status == 404:
                 return True
             if not transient(exc):
-                self._log.error("slot tracker refused to unregister %s: %s", worker.describe(), exc)
+                self._log.error("%s refused to unregister %s: %s", service.name, unit.describe(), exc)
             return False
-        self._log.info("unregistered %s from the slot tracker", worker.describe())
+        self._log.info("unregistered %s from the %s", unit.describe(), service.name)
         return True
 
-    async def unregister_indexer_rank(self, rank: IndexedRank) -> bool:
-        """Unregister one rank from the indexer; True once it is gone."""
+    async def _listing(self, service: _Service[U]) -> set[U] | None:
         try:
-            await self._call(INDEXER, self.indexer.unregister(
-                rank.worker_id, rank.model, tenant_id=rank.tenant_id, dp_rank=rank.dp_rank
-            ))
+            return await self._call(service.name, service.listing(None, None))
         except _SERVICE_ERRORS as exc:
-            if isinstance(exc, ServiceStatusError) and exc.status == 404:
-                return True
             if not transient(exc):
-                self._log.error("indexer refused to unregister %s: %s", rank.describe(), exc)
-            return False
-        self._log.info("unregistered %s from the indexer", rank.describe())
-        return True
+                self._log.error("%s: listing workers failed: %s", service.name, exc)
+            return None
 
     # --- plumbing -------------------------------------------------------------------------------
 
-    async def _tracker_listing(self) -> set[TrackerWorker] | None:
-        try:
-            infos = await self._call(SLOT_TRACKER, self.slot_tracker.workers())
-        except _SERVICE_ERRORS as exc:
-            if not transient(exc):
-                self._log.error("slot tracker: listing workers failed: %s", exc)
-            return None
-        return {_tracker_unit(info) for info in infos}
+    async def _tracker_units(self, model: str | None, tenant_id: str | None) -> set[TrackerWorker]:
+        return {_tracker_unit(info) for info in await self.slot_tracker.workers(model, tenant_id)}
 
-    async def _indexer_listing(self) -> set[IndexedRank] | None:
-        try:
-            infos = await self._call(INDEXER, self.indexer.workers())
-        except _SERVICE_ERRORS as exc:
-            if not transient(exc):
-                self._log.error("indexer: listing workers failed: %s", exc)
-            return None
-        return _indexer_units(infos)
+    async def _indexer_units(self, model: str | None, tenant_id: str | None) -> set[IndexedRank]:
+        return _indexer_units(await self.indexer.workers(model, tenant_id))
 
     def _limit(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -350,7 +386,6 @@ def _indexer_units(infos: Sequence[IndexerWorker]) -> set[IndexedRank]:
         for rank in info.ranks
         if rank.registered
     }
-
 
 
 __all__ = ["DEFAULT_CONCURRENCY", "INDEXER", "SLOT_TRACKER", "IndexedRank", "Registrar", "TrackerWorker", "transient"]

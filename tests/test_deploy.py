@@ -240,7 +240,7 @@ def cluster_addresses(cluster: dict[str, Any]) -> list[tuple[str, int]]:
 def check_pool_against_engines(pool: list[Any], engines: list[tuple[str, dict[str, str]]]) -> None:
     """`engines`: (IP, environment) of each engine. Every engine is in the pool once (one dp
     rank), at its HTTP port, with its model, block size, token budget and KV event ports."""
-    from dynamo_lite.epp.pool import normalize_address
+    from dynamo_lite.epp.endpoint import normalize_address
 
     by_address = {endpoint.address: endpoint for endpoint in pool}
     assert len(by_address) == len(pool) == len(engines), "one pool entry per engine"
@@ -381,7 +381,7 @@ def engine_ips() -> list[tuple[str, dict[str, str]]]:
 
 
 def gateway_pool() -> list[Any]:
-    from dynamo_lite.epp.pool import parse_pool
+    from dynamo_lite.epp.pool_file import parse_pool
 
     (epp,) = gateway_services("dynamo_lite.epp").values()
     path = compose_file(epp, epp["environment"]["DYNAMO_LITE_POOL"])
@@ -531,7 +531,7 @@ def container_port(container: dict[str, Any], name_or_number: str | int) -> int:
 
 
 def epp_pool() -> list[Any]:
-    from dynamo_lite.epp.pool import parse_pool
+    from dynamo_lite.epp.pool_file import parse_pool
 
     picker = only_container(deployment_of("dynamo_lite.epp"))
     pool_path = Path(env_of(picker)["DYNAMO_LITE_POOL"])
@@ -690,7 +690,7 @@ def pool_from_pods(pods: list[dict[str, Any]], *flags: str) -> str:
 
 
 def test_pool_from_pods_writes_a_pool_of_the_running_pods() -> None:
-    from dynamo_lite.epp.pool import parse_pool
+    from dynamo_lite.epp.pool_file import parse_pool
 
     pods = [pod("engine-a", "10.0.0.7"), pod("engine-b", "fd00::8"), pod("engine-c", None, phase="Pending"),
             pod("engine-d", "10.0.0.9", deleting=True), pod("engine-e", "10.0.0.10", phase="Failed")]
@@ -705,7 +705,7 @@ def test_pool_from_pods_writes_a_pool_of_the_running_pods() -> None:
 
 
 def test_pool_from_pods_data_parallel_ranks_and_no_events() -> None:
-    from dynamo_lite.epp.pool import parse_pool
+    from dynamo_lite.epp.pool_file import parse_pool
 
     pods = [pod("engine-a", "10.0.0.7")]
     pool = parse_pool(pool_from_pods(pods, "--model", "m", "--block-size", "32", "--data-parallel-size", "2",

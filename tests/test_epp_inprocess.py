@@ -18,8 +18,9 @@ from prometheus_client import CollectorRegistry
 from support.gateway_stack import MODEL, gateway_stack
 
 from dynamo_lite.epp.booking import Booking, BookingTarget, InFlight
+from dynamo_lite.epp.endpoint import PoolEndpoint
 from dynamo_lite.epp.metrics import EppMetrics
-from dynamo_lite.epp.pool import PoolEndpoint, indexer_rank, tracker_workers
+from dynamo_lite.epp.registration import indexer_rank, tracker_workers
 from dynamo_lite.epp.state import LocalState
 from dynamo_lite.stack import Stack, envoy_binary
 

@@ -18,7 +18,7 @@ from support.reference_server import running_service
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
 from dynamo_lite.epp.metrics import EppMetrics
 from dynamo_lite.epp.picker import KvPicker, PickerSettings
-from dynamo_lite.epp.pool import parse_pool
+from dynamo_lite.epp.pool_file import parse_pool
 from dynamo_lite.epp.prompt import PromptReader
 from dynamo_lite.epp.protocol import PickError, RequestInfo
 from dynamo_lite.tokenizer import Tokenizer

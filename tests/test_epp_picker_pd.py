@@ -27,11 +27,12 @@ from dynamo_lite.epp.disagg import (
     PrefillRank,
     choose_prefill,
 )
+from dynamo_lite.epp.endpoint import PoolEndpoint
 from dynamo_lite.epp.metrics import EppMetrics
 from dynamo_lite.epp.picker import PREFILL_BOOKING_SUFFIX, KvPicker, PickerSettings, expected_output_tokens
-from dynamo_lite.epp.pool import PoolEndpoint, indexer_rank, tracker_workers
 from dynamo_lite.epp.prompt import PromptReader
 from dynamo_lite.epp.protocol import Pick, PickError, RequestInfo
+from dynamo_lite.epp.registration import indexer_rank, tracker_workers
 from dynamo_lite.epp.state import LocalState
 from dynamo_lite.tokenizer import Tokenizer
 

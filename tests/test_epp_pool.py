@@ -24,15 +24,10 @@ import pytest
 from support.reference_server import free_port, running_server, running_service
 
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
-from dynamo_lite.epp.pool import (
-    PoolEndpoint,
-    PoolError,
-    PoolRegistrar,
-    PoolWatcher,
-    diff,
-    load_pool,
-    parse_pool,
-)
+from dynamo_lite.epp.endpoint import PoolEndpoint
+from dynamo_lite.epp.pool_file import PoolError, load_pool, parse_pool
+from dynamo_lite.epp.registration import PoolRegistrar
+from dynamo_lite.epp.watcher import PoolWatcher, diff
 from dynamo_lite.kv_publishers import EnginePublisher, WireFormat
 
 # ------------------------------------------------------------------------------------------------

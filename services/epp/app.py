@@ -36,9 +36,10 @@ from .engine_metrics import EngineMetricsReader
 from .grpc_server import EppServer
 from .metrics import EppMetrics
 from .picker import KvPicker, PickerSettings
-from .pool import PoolRegistrar, PoolWatcher
 from .prompt import DEFAULT_TOKENIZER_THREADS, PromptReader
+from .registration import PoolRegistrar
 from .state import IN_PROCESS, SERVICES, LocalState, PickerState, RemoteState
+from .watcher import PoolWatcher
 
 logger = logging.getLogger("dynamo_lite.epp")
 

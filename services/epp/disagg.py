@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .pool import PoolEndpoint
+from .endpoint import PoolEndpoint
 
 PREFILLER_HEADER = "x-prefiller-host-port"  # llm-d's: the prefill engine's host:port, for the sidecar
 DEFAULT_MIN_UNCACHED_TOKENS = 2048  # Dynamo's conditional disaggregation: effective ISL threshold

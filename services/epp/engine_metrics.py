@@ -28,7 +28,7 @@ import httpx
 
 from dynamo_lite.scheduling import Scheduler
 
-from .pool import PoolEndpoint
+from .endpoint import PoolEndpoint
 
 logger = logging.getLogger("dynamo_lite.epp")
 

@@ -61,8 +61,8 @@ from dynamo_lite.scheduling.model import RankKey
 
 from .booking import Booking, BookingTarget, InFlight
 from .disagg import PREFILLER_HEADER, DisaggSettings, PrefillChoice, PrefillRank, choose_prefill
+from .endpoint import PREFILL, PoolEndpoint
 from .metrics import EppMetrics
-from .pool import PREFILL, PoolEndpoint
 from .prompt import PromptReader, parse_body
 from .protocol import NullTracker, Pick, PickError, RequestInfo
 from .queue import AdmissionQueue, QueuedRequest, QueuePolicy, QueueRefused, RequestQueue

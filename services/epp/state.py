@@ -3,7 +3,7 @@
 `--state services` (the default, `RemoteState`): per pick, the indexer's `/query_by_hash` and
 the slot tracker's `/potential_loads` over HTTP, concurrently (`dynamo_lite.routing.read_ranks`);
 bookings are slot tracker calls (`/add`, `/prefill_complete`, `/output_blocks`, `/free`) sent in
-the background; the pool is registered with both services (`pool.PoolRegistrar`). Several
+the background; the pool is registered with both services (`registration.PoolRegistrar`). Several
 pickers (replicas) share one state that way, and a service away is a degraded mode.
 
 `--state in-process` (`LocalState`): the picker holds the selection service's cores itself, an
@@ -34,12 +34,13 @@ from dynamo_lite.errors import NotFound, ServiceError
 from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription
 from dynamo_lite.indexer.metrics import ListenerCollector
-from dynamo_lite.registrar import IndexedRank, TrackerWorker
+from dynamo_lite.reconcile import Registry
+from dynamo_lite.registrar import INDEXER, SLOT_TRACKER, IndexedRank, TrackerWorker
 from dynamo_lite.routing import RankReadings, read_ranks
 from dynamo_lite.slot_tracker.core import DEFAULT_REQUEST_TTL_SECS, SlotTracker
 from dynamo_lite.slot_tracker.metrics import SlotTrackerCollector
 
-from .pool import PoolEndpoint
+from .endpoint import PoolEndpoint
 
 logger = logging.getLogger("dynamo_lite.epp")
 
@@ -239,11 +240,20 @@ class LocalRegistrar:
     def __init__(self, state: LocalState) -> None:
         self.state = state
         self._refused: dict[Any, str] = {}
+        self.tracker_registry = Registry[TrackerWorker](
+            SLOT_TRACKER, self._tracked, self.register_tracker_worker, self.unregister_tracker_worker)
+        self.indexer_registry = Registry[IndexedRank](
+            INDEXER, self._all_indexed, self.register_indexer_rank, self.unregister_indexer_rank)
 
     async def listed(self) -> tuple[set[TrackerWorker] | None, set[IndexedRank] | None]:
-        tracker = {TrackerWorker(w.worker_id, w.model_name, w.tenant_id, w.block_size, w.dp_start, w.dp_size)
-                   for w in self.state.tracker.workers()}
-        return tracker, self._indexed()
+        return await self._tracked(), self._indexed()
+
+    async def _tracked(self) -> set[TrackerWorker] | None:
+        return {TrackerWorker(w.worker_id, w.model_name, w.tenant_id, w.block_size, w.dp_start, w.dp_size)
+                for w in self.state.tracker.workers()}
+
+    async def _all_indexed(self) -> set[IndexedRank] | None:
+        return self._indexed()
 
     def _indexed(self, model_name: str | None = None, tenant_id: str | None = None) -> set[IndexedRank]:
         return {IndexedRank(w.instance_id, rank.dp_rank, w.model_name, w.tenant_id, w.block_size, rank.endpoint,
