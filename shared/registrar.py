@@ -38,6 +38,7 @@ class TrackerWorker:
     block_size: int
     dp_start: int
     dp_size: int
+    role: str = "aggregated"  # a prefill worker's ranks count its prefill tokens only
 
     @property
     def identity(self) -> tuple[int, str, str]:
@@ -50,7 +51,8 @@ class TrackerWorker:
     def describe(self) -> str:
         last = self.dp_start + self.dp_size - 1
         ranks = f"dp_rank {self.dp_start}" if self.dp_size == 1 else f"dp_ranks {self.dp_start}..{last}"
-        return f"worker {self.worker_id} ({ranks}) of model={self.model} tenant_id={self.tenant_id}"
+        role = "" if self.role == "aggregated" else f", {self.role}"
+        return f"worker {self.worker_id} ({ranks}{role}) of model={self.model} tenant_id={self.tenant_id}"
 
     def describe_registration(self) -> str:
         return self.describe()
@@ -188,7 +190,7 @@ class Registrar:
         self._tracker = _Service[TrackerWorker](
             SLOT_TRACKER,
             register=lambda w: slot_tracker.register(w.worker_id, w.model, w.block_size, dp_start=w.dp_start,
-                                                     dp_size=w.dp_size, tenant_id=w.tenant_id),
+                                                     dp_size=w.dp_size, tenant_id=w.tenant_id, role=w.role),
             unregister=lambda w: slot_tracker.unregister(w.worker_id, w.model, tenant_id=w.tenant_id),
             listing=self._tracker_units,
         )
@@ -375,7 +377,8 @@ def _with_both(workers: Sequence[TrackerWorker], ranks: Sequence[IndexedRank], r
 
 
 def _tracker_unit(info: Any) -> TrackerWorker:
-    return TrackerWorker(info.worker_id, info.model_name, info.tenant_id, info.block_size, info.dp_start, info.dp_size)
+    return TrackerWorker(info.worker_id, info.model_name, info.tenant_id, info.block_size, info.dp_start, info.dp_size,
+                         info.role)
 
 
 def _indexer_units(infos: Sequence[IndexerWorker]) -> set[IndexedRank]:

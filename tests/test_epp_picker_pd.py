@@ -186,7 +186,7 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_endpoint_and_both_bookings_en
         assert pick.endpoints == [DECODE_EP.address]  # never a prefill endpoint as the destination
         assert pick.headers["x-prefiller-host-port"] == PREFILL_EP.address and pick.remove_headers == ()
         assert booked(state, "r1") == ((2, 0), 0, 12)  # decode: the prompt's blocks, no prefill
-        assert booked(state, "r1" + PREFILL_BOOKING_SUFFIX) == ((1, 0), 200, 12)  # prefill: the whole prompt
+        assert booked(state, "r1" + PREFILL_BOOKING_SUFFIX) == ((1, 0), 200, 0)  # prefill: the whole prompt, no blocks (role prefill)
         assert picker.in_flight.get((1, 0)).prefill_tokens == 200 and picker.metrics.in_flight._value.get() == 1
         pick.tracker.response_headers(200, {"content-type": "text/event-stream"})
         pick.tracker.response_chunk(b'data: {"choices":[{"text":"x"}]}\n\n')  # the decode engine's first token

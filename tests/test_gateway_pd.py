@@ -94,6 +94,13 @@ REMOTE_PREFILLS = "dynamo_lite_mock_engine_remote_prefill_requests_total"  # dec
 DECISIONS = "dynamo_lite_epp_disagg_decisions_total"
 
 
+def test_the_picker_registers_each_endpoint_with_its_role(stack: Stack) -> None:
+    """The slot tracker counts a prefill engine's prefill tokens only (docs/slot-tracker.md)."""
+    listed = {row["worker_id"]: row.get("role", "aggregated")
+              for row in httpx.get(stack.slot_tracker + "/workers", timeout=5).json()}
+    assert listed == {engine.worker_id: engine.role for engine in stack.engines}
+
+
 def test_long_prompts_are_prefilled_on_a_prefill_engine_short_ones_run_on_a_decode_engine(stack: Stack) -> None:
     decoders = {engine.endpoint: engine for engine in of_role(stack, "decode")}
     prefilled, pulled = counts(stack, "prefill", REMOTE_DECODES), counts(stack, "decode", REMOTE_PREFILLS)

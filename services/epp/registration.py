@@ -62,7 +62,8 @@ def tracker_workers(endpoints: Iterable[PoolEndpoint]) -> list[TrackerWorker]:
         low = min(ep.dp_rank for ep in eps)
         high = max(ep.dp_rank for ep in eps)
         first = eps[0]
-        result.append(TrackerWorker(worker_id, first.model, first.tenant_id, first.block_size, low, high - low + 1))
+        result.append(TrackerWorker(worker_id, first.model, first.tenant_id, first.block_size, low, high - low + 1,
+                                    first.role))
     return result
 
 

@@ -249,7 +249,7 @@ class LocalRegistrar:
         return await self._tracked(), self._indexed()
 
     async def _tracked(self) -> set[TrackerWorker] | None:
-        return {TrackerWorker(w.worker_id, w.model_name, w.tenant_id, w.block_size, w.dp_start, w.dp_size)
+        return {TrackerWorker(w.worker_id, w.model_name, w.tenant_id, w.block_size, w.dp_start, w.dp_size, w.role)
                 for w in self.state.tracker.workers()}
 
     async def _all_indexed(self) -> set[IndexedRank] | None:
@@ -262,12 +262,12 @@ class LocalRegistrar:
 
     async def register_tracker_worker(self, worker: TrackerWorker) -> bool:
         held = self.state.tracker.worker(worker.model, worker.tenant_id, worker.worker_id)
-        if held is not None and (held.block_size, held.dp_start, held.dp_size) == (
-                worker.block_size, worker.dp_start, worker.dp_size):
+        if held is not None and (held.block_size, held.dp_start, held.dp_size, held.role) == (
+                worker.block_size, worker.dp_start, worker.dp_size, worker.role):
             return True
         try:
             self.state.tracker.register(worker.worker_id, worker.model, worker.tenant_id, worker.block_size,
-                                        worker.dp_start, worker.dp_size)
+                                        worker.dp_start, worker.dp_size, worker.role)
         except ServiceError as error:
             return self._refusal(worker, f"cannot register {worker.describe()}: {error.message}")
         self._refused.pop(worker, None)

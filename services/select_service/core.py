@@ -129,7 +129,7 @@ class ListenerChanges:
         ranks = record.ranks()
         assert record.block_size is not None
         self.registrations.append(Registration(register, TrackerWorker(
-            record.worker_id, *record.partition, record.block_size, ranks.start, len(ranks))))
+            record.worker_id, *record.partition, record.block_size, ranks.start, len(ranks), tracked_role(record))))
 
     def index(self, record: WorkerRecord, rank: int, endpoint: str | None, register: bool = True) -> None:
         assert record.block_size is not None
