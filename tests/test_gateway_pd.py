@@ -8,6 +8,7 @@ and, for a long uncached prompt, a prefill endpoint it names in `x-prefiller-hos
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -87,6 +88,15 @@ def wait_for(check: Any, what: str, timeout: float = 10.0) -> Any:
         assert time.monotonic() < deadline, what
         time.sleep(0.1)
     return value
+
+
+_first_tokens = itertools.count(3600)
+
+
+def fresh_long_prompt() -> list[int]:
+    """320 tokens no engine caches: a first token never sent before (3600 up: above the other
+    tests' prompts, below the stand-in's vocabulary), so every block differs."""
+    return [next(_first_tokens), *range(1, 20 * BLOCK)]
 
 
 REMOTE_DECODES = "dynamo_lite_mock_engine_remote_decode_requests_total"  # prefilled here for a decode engine
@@ -194,3 +204,38 @@ def test_a_prefill_engine_killed_mid_prefill_leaves_the_request_to_the_decode_en
         assert metric(decode(own).sidecar_url, "dynamo_lite_pd_sidecar_prefill_fallbacks_total", reason="error") == 1
         assert engine_metric(decode(own), "dynamo_lite_mock_engine_remote_prefill_requests_total") == 0  # prefilled here
         own.wait_idle()
+
+
+def test_with_no_prefill_engine_up_long_prompts_run_aggregated_until_one_is_back(stack: Stack) -> None:
+    """The picker asks each prefill endpoint's /health (--prefill-probe-secs, 1 s): with both
+    killed it names none, so a long prompt is prefilled on the decode engine with no failed
+    call on the way; once one answers again, long prompts are disaggregated onto it."""
+    for engine in of_role(stack, "prefill"):
+        stack.kill(engine.name)
+    try:
+        pulled = counts(stack, "decode", REMOTE_PREFILLS)
+        no_prefill = stack.picker_metric(DECISIONS, reason="no_prefill")
+
+        def aggregated() -> bool:
+            completion(stack, fresh_long_prompt())
+            return stack.picker_metric(DECISIONS, reason="no_prefill") > no_prefill
+
+        wait_for(aggregated, "the picker kept naming dead prefill engines", timeout=15)
+        fallbacks = sum(metric(engine.sidecar_url, "dynamo_lite_pd_sidecar_prefill_fallbacks_total")
+                        for engine in of_role(stack, "decode"))
+        last = completion(stack, fresh_long_prompt())
+        assert last.json()["usage"]["completion_tokens"] == 4
+        assert stack.picker_metric(DECISIONS, reason="no_prefill") >= no_prefill + 2
+        # Once the probe saw them down, a long prompt goes nowhere near a prefill engine: no
+        # header, so no failed call and fallback in the sidecar, and no pull.
+        assert sum(metric(engine.sidecar_url, "dynamo_lite_pd_sidecar_prefill_fallbacks_total")
+                   for engine in of_role(stack, "decode")) == fallbacks
+        assert counts(stack, "decode", REMOTE_PREFILLS) == pulled
+    finally:
+        for engine in of_role(stack, "prefill"):
+            stack.start(engine.name)
+    disaggregated = stack.picker_metric(DECISIONS, reason="disaggregated")
+    wait_for(lambda: completion(stack, fresh_long_prompt()) and
+             stack.picker_metric(DECISIONS, reason="disaggregated") > disaggregated,
+             "long prompts were not disaggregated again once the prefill engines were back", timeout=15)
+    stack.wait_idle()

@@ -35,6 +35,7 @@ from .picker import (
     DEFAULT_SESSION_HEADER,
     PickerSettings,
 )
+from .prefill_health import DEFAULT_PROBE_SECS
 from .prompt import DEFAULT_TOKENIZER_THREADS
 from .queue import QueuePolicy
 from .state import IN_PROCESS, SERVICES, STATES
@@ -131,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a prefill endpoint with this fraction of its max_num_batched_tokens of prefill booked "
                         "is busy (as are those over the busy thresholds above); every one busy: the request runs "
                         "aggregated on the decode endpoint. 'none': the busy thresholds alone")
+    disagg.add_argument("--prefill-probe-secs", type=non_negative_float, default=DEFAULT_PROBE_SECS,
+                        help="ask each prefill endpoint's GET /health this often; one that does not answer 200 is "
+                        "not named until it does (none up: requests run aggregated). 0: never asked, always named")
     queue = parser.add_argument_group("queue (when every candidate is busy)")
     queue.add_argument("--router-queue-threshold", type=_queue_threshold, default=2.0,
                        help="hold requests while every candidate's active prefill exceeds this fraction of its "
@@ -199,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         state=args.state,
         render_url=args.render_url, grpc_host=args.host, grpc_port=args.port, cert=args.cert, key=args.key,
         client_ca=args.client_ca, engine_metrics_secs=args.engine_metrics_secs,
+        prefill_probe_secs=args.prefill_probe_secs,
         tokenizer_threads=args.tokenizer_threads, access_log_silence_secs=args.access_log_silence_secs,
         picker=settings, pool_poll_secs=args.pool_poll_secs, shutdown_grace_secs=args.shutdown_grace_secs,
         credentials=client_credentials_from(args, api_key_flag=SERVICES_API_KEY_FLAG,

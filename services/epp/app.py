@@ -36,6 +36,7 @@ from .engine_metrics import EngineMetricsReader
 from .grpc_server import EppServer
 from .metrics import EppMetrics
 from .picker import KvPicker, PickerSettings
+from .prefill_health import DEFAULT_PROBE_SECS, PrefillHealth
 from .prompt import DEFAULT_TOKENIZER_THREADS, PromptReader
 from .registration import PoolRegistrar
 from .state import IN_PROCESS, SERVICES, LocalState, PickerState, RemoteState
@@ -68,6 +69,7 @@ class EppConfig:
     pool_poll_secs: float = 1.0
     shutdown_grace_secs: float = 30.0
     engine_metrics_secs: float = DEFAULT_ENGINE_METRICS_SECS  # 0: the engines' /metrics are not read
+    prefill_probe_secs: float = DEFAULT_PROBE_SECS  # 0: prefill endpoints are named without asking
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     # An answer handed to Envoy's access log and not heard of this long ends "lost" (0: never).
     access_log_silence_secs: float = DEFAULT_SILENCE_SECS
@@ -176,6 +178,10 @@ def create_app(config: EppConfig) -> http.Service:
             reader = EngineMetricsReader(lambda: picker.pool, picker.scheduler, config.engine_metrics_secs,
                                          on_context_length=picker.set_context_length)
             background.append(loop.create_task(reader.run(), name="engine-metrics"))
+        if config.prefill_probe_secs > 0:
+            prefill_health = PrefillHealth(lambda: picker.pool, config.prefill_probe_secs)
+            picker.prefill_up = prefill_health.up
+            background.append(loop.create_task(prefill_health.run(), name="prefill-health"))
         server = EppServer(picker, host=config.grpc_host, port=config.grpc_port, cert=config.cert, key=config.key,
                            client_ca=config.client_ca, ready=lambda: watcher.ready,
                            access_log_silence_secs=config.access_log_silence_secs, metrics=metrics_holder["metrics"])

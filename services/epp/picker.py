@@ -37,7 +37,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,6 +182,8 @@ class KvPicker:
         self.in_flight = InFlight()
         self.bookings: dict[str, Booking] = {}
         self.prefill_bookings: dict[str, Booking] = {}  # request id -> the prefill half of a disaggregated one
+        # Whether a prefill endpoint (by address) answers: the app sets it to `PrefillHealth.up`.
+        self.prefill_up: Callable[[str], bool] = lambda address: True
         self._round_robin = itertools.count()
         self._slot_tracker_state = _Streak("slot tracker", metrics)
         self._indexer_state = _Streak("indexer", metrics)
@@ -300,8 +302,10 @@ class KvPicker:
         prompt = await self.prompts.read(request.path, data, self._max_prompt_tokens(candidates))
         lora_name = model if model != candidates[0].model else None
         tenant = candidates[0].tenant_id
-        prefills = [endpoint for endpoint in serving if endpoint.role == PREFILL and endpoint.block_size == block_size
-                    and endpoint.model == candidates[0].model and endpoint.tenant_id == tenant]
+        pool_prefills = [endpoint for endpoint in serving if endpoint.role == PREFILL
+                         and endpoint.block_size == block_size and endpoint.model == candidates[0].model
+                         and endpoint.tenant_id == tenant]
+        prefills = [endpoint for endpoint in pool_prefills if self.prefill_up(endpoint.address)]
         local = local_block_hashes(prompt.token_ids, block_size, lora_name=lora_name)
         # The hashes are u64 by construction: the list form converts only those past i64 (a
         # quarter of the 33 us the per-hash function took for 4,096 tokens).
@@ -339,7 +343,8 @@ class KvPicker:
             # The candidates as they were when the pick began: a pool re-read meanwhile does not
             # take an endpoint from under a decision made with it.
             by_rank = {endpoint.rank_key: endpoint for endpoint in candidates}
-            prefill = self._prefill_choice(isl, ordered[0], prefill_ranks) if prefills else None
+            # A pool with prefill endpoints, none of them up, counts as `no_prefill`.
+            prefill = self._prefill_choice(isl, ordered[0], prefill_ranks) if pool_prefills else None
             return self._book(request, tenant, ordered, by_rank, signed_seq, signed_local, isl, block_size, outcome,
                               selection, scheduling, max_output_tokens(data), prefill)
         finally:
