@@ -1,5 +1,5 @@
 """Write docs/configuration.md, the flags and environment variables of the services, the endpoint picker,
-the engine stand-in and the P/D sidecar, from their parsers.
+the engine stand-in, the P/D sidecar and the local stack, from their parsers.
 
     python docs/generate_configuration.py           # (re)write docs/configuration.md
     python docs/generate_configuration.py --check   # exit 1, with a short diff, if the file is stale
@@ -8,6 +8,8 @@ Each service's `main` builds its argparse parser and hands it to `dynamo_lite.cl
 the generator runs `main` with that function replaced by one that catches the parser, so the
 tables list exactly the flags the services take (a flag added to a parser shows up here, and
 `tests/test_docs_site.py` fails until the page is regenerated). Help texts are the parsers' own.
+The local stack (`python -m dynamo_lite.stack`) is a developer's command, not a service: its
+`build_parser()` is read directly, and it takes no environment variables.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Program:
     title: str
     module: str  # its `__main__` builds the parser
     script: str  # the console script pyproject.toml installs
+    environment: bool = True  # False: its `__main__.build_parser()` gives the parser, and no variables apply
 
 
 PROGRAMS = (
@@ -38,6 +41,7 @@ PROGRAMS = (
     Program("Endpoint picker", "dynamo_lite.epp", "dynamo-lite-epp"),
     Program("Engine stand-in", "dynamo_lite.mock_engine", "dynamo-lite-mock-engine"),
     Program("P/D sidecar", "dynamo_lite.pd_sidecar", "dynamo-lite-pd-sidecar"),
+    Program("Local stack", "dynamo_lite.stack", "dynamo-lite-stack", environment=False),
 )
 
 
@@ -67,6 +71,13 @@ def service_parser(module_name: str) -> argparse.ArgumentParser:
     raise CannotGenerate(f"{module_name}.__main__.main() returned without parsing its arguments")
 
 
+def program_parser(program: Program) -> argparse.ArgumentParser:
+    if program.environment:
+        return service_parser(program.module)
+    parser: argparse.ArgumentParser = importlib.import_module(f"{program.module}.__main__").build_parser()
+    return parser
+
+
 def default_text(action: argparse.Action) -> str:
     default = action.default
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)) and not default:
@@ -82,10 +93,11 @@ def cell(text: str) -> str:
     return " ".join(text.replace("%%", "%").replace("|", "\\|").split())
 
 
-def flag_rows(parser: argparse.ArgumentParser) -> list[str]:
+def flag_rows(parser: argparse.ArgumentParser, environment: bool = True) -> list[str]:
     from dynamo_lite.cli import env_name
 
-    rows = ["| flag | default | environment variable | meaning |", "|---|---|---|---|"]
+    rows = (["| flag | default | environment variable | meaning |", "|---|---|---|---|"] if environment
+            else ["| flag | default | meaning |", "|---|---|---|"])
     for action in parser._actions:
         if not action.option_strings or action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
             continue
@@ -95,7 +107,8 @@ def flag_rows(parser: argparse.ArgumentParser) -> list[str]:
             raise CannotGenerate(f"{action.option_strings[0]} has no help text")
         if action.choices:
             meaning += f" (one of {', '.join(f'`{choice}`' for choice in action.choices)})"
-        rows.append(f"| {flags} | {default_text(action)} | `{env_name(action)}` | {cell(meaning)} |")
+        variable = f" `{env_name(action)}` |" if environment else ""
+        rows.append(f"| {flags} | {default_text(action)} |{variable} {cell(meaning)} |")
     return rows
 
 
@@ -120,13 +133,14 @@ def render() -> str:
         "",
     ]
     for program in PROGRAMS:
-        parser = service_parser(program.module)
+        parser = program_parser(program)
         lines += [
             f"## {program.title}",
             "",
-            f"`{program.script}`, or `python -m {program.module}`: {cell(parser.description or '')}",
+            f"`{program.script}`, or `python -m {program.module}`: {cell(parser.description or '')}"
+            + ("" if program.environment else " A developer's command: its flags take no environment variables."),
             "",
-            *flag_rows(parser),
+            *flag_rows(parser, program.environment),
             "",
         ]
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -53,7 +53,8 @@ def taken_ports(processes: Iterable[Process], taken: Callable[[int], bool] = por
             "stack with --port / --engine-port / --kv-events-port")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags (docs/generate_configuration.py lists them)."""
     parser = argparse.ArgumentParser(
         prog=invoked_as(PROG),
         description="Run the local KV-aware gateway: slot tracker, indexer, engine stand-ins, the endpoint "
@@ -86,6 +87,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--drain-secs", type=non_negative_float, default=30.0,
                         help="at Ctrl-C, how long the answers streaming through the gateway may take to finish "
                         "(a second Ctrl-C cuts them)")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.disaggregated = args.prefill is not None or args.decode is not None
     if args.disaggregated:
