@@ -68,6 +68,8 @@ def completion(stack: GatewayStack, prompt: list[int], max_tokens: int = 2) -> h
     return answer
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_a_repeated_prompt_goes_to_the_engine_that_caches_it(stack: InProcessStack) -> None:
     wait_until(lambda: stack.picker_metric(LISTENERS, status="active") == 3)
     engines = set()
@@ -88,6 +90,8 @@ def test_a_repeated_prompt_goes_to_the_engine_that_caches_it(stack: InProcessSta
     stack.wait_idle()
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_bookings_end_with_the_answers_and_with_clients_that_hang_up(stack: InProcessStack) -> None:
     body = {"model": MODEL, "prompt": list(range(300, 364)), "max_tokens": 400, "stream": True}
     cancelled = stack.picker_metric("dynamo_lite_epp_request_ends_total", reason="cancelled")
@@ -107,6 +111,8 @@ def test_bookings_end_with_the_answers_and_with_clients_that_hang_up(stack: InPr
     stack.wait_idle()
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_pool_changes_start_and_stop_listeners(stack: InProcessStack) -> None:
     assert stack.listeners() == 3
     stack.write_pool(stack.engine_list[:2])
@@ -123,6 +129,7 @@ def test_pool_changes_start_and_stop_listeners(stack: InProcessStack) -> None:
     stack.wait_idle()
 
 
+@pytest.mark.unit
 def test_an_in_process_booking_is_made_on_the_core_at_once() -> None:
     async def scenario() -> None:
         state = LocalState()

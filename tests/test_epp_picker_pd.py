@@ -35,6 +35,8 @@ from dynamo_lite.epp.protocol import Pick, PickError, RequestInfo
 from dynamo_lite.epp.state import LocalState
 from dynamo_lite.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.unit
+
 MODEL = "mock"
 BLOCK = 16
 

