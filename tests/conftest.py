@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-pytest_plugins = ["support.nats_support"]  # the `nats_server` fixture
+# the `nats_server` fixture; the check that every test is marked `unit` or `process`
+pytest_plugins = ["support.nats_support", "support.markers"]
 
 settings.register_profile("default", deadline=None)
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])

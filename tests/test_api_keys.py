@@ -36,6 +36,7 @@ JSON = {"content-type": "application/json"}
 # --- the core ---------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_grant_is_the_highest_level_a_bearer_key_reaches() -> None:
     keys = ApiKeys.from_texts(["w1", "w2"], ["r"])
     assert keys.grant(None) is None
@@ -47,6 +48,7 @@ def test_grant_is_the_highest_level_a_bearer_key_reaches() -> None:
     assert keys.grant(b"Bearer w1w1") is Access.OPEN
 
 
+@pytest.mark.unit
 def test_check_refuses_and_counts_per_reason() -> None:
     keys = ApiKeys.from_texts(["w"], ["r"])
     assert keys.check(None, Access.OPEN) is None
@@ -60,12 +62,14 @@ def test_check_refuses_and_counts_per_reason() -> None:
     assert keys.refused == {"missing": 1, "invalid": 1, "read_only": 1}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("write, read", [([], ["r"]), ([""], []), ([" w"], []), (["w\n"], [])])
 def test_unusable_keys_are_refused(write: list[str], read: list[str]) -> None:
     with pytest.raises(ValueError):
         ApiKeys.from_texts(write, read)
 
 
+@pytest.mark.unit
 def test_key_lists_and_files(tmp_path: Path) -> None:
     assert key_list(" a, b ,,") == ["a", "b"]
     path = tmp_path / "keys"
@@ -75,6 +79,7 @@ def test_key_lists_and_files(tmp_path: Path) -> None:
     assert api_key_from_env({}) is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("service", sorted(APPS))
 def test_without_keys_every_route_is_open_and_with_keys_only_the_probes(service: str) -> None:
     app: Service = APPS[service]()
@@ -85,6 +90,7 @@ def test_without_keys_every_route_is_open_and_with_keys_only_the_probes(service:
     assert dict(app.entries())["/dump"].access is Access.WRITE  # the whole state: replicas, not gateways
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("service", sorted(APPS))
 def test_the_openapi_documents_say_what_each_route_asks(service: str) -> None:
     """Open routes declare no security; the others the `bearerKey` scheme and a 401, and the
@@ -143,6 +149,7 @@ def assert_refused(response: httpx.Response, status: int) -> None:
     assert list(response.json()) == ["error"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("service", sorted(APPS))
 def test_every_route_asks_for_the_key_it_needs(service: str, tmp_path: Path) -> None:
     with keyed_service(service, tmp_path) as url, httpx.Client(base_url=url, timeout=10) as client:
@@ -172,6 +179,7 @@ def test_every_route_asks_for_the_key_it_needs(service: str, tmp_path: Path) -> 
         assert url.alive()
 
 
+@pytest.mark.process
 def test_a_refused_body_is_not_read_into_the_service_and_the_connection_stays_usable(tmp_path: Path) -> None:
     with keyed_service("slot_tracker", tmp_path) as url, httpx.Client(base_url=url, timeout=10) as client:
         body = b'{"model_name": "m", "request_id": "r"}' + b" " * 1_000_000
@@ -181,12 +189,14 @@ def test_a_refused_body_is_not_read_into_the_service_and_the_connection_stays_us
         assert served.status_code == 404, served.text  # unknown model: the key let it through
 
 
+@pytest.mark.process
 def test_public_metrics_opens_metrics_only(tmp_path: Path) -> None:
     with keyed_service("indexer", tmp_path, "--public-metrics") as url, httpx.Client(base_url=url) as client:
         assert client.get("/metrics").status_code == 200
         assert_refused(client.get("/workers"), 401)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("flags, message", [
     (["--api-key-file", "/nonexistent/keys"], "cannot read the key file"),
     (["--read-api-key", "r"], "at least one full API key"),
@@ -202,6 +212,7 @@ def test_unusable_key_flags_stop_the_command(flags: list[str], message: str) -> 
 # --- clients ---------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_clients_send_the_key_from_the_environment_or_the_argument(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     with keyed_service("slot_tracker", tmp_path) as tracker, keyed_service("indexer", tmp_path) as indexer:
@@ -226,6 +237,7 @@ def test_clients_send_the_key_from_the_environment_or_the_argument(tmp_path: Pat
         asyncio.run(lean())
 
 
+@pytest.mark.process
 def test_a_replica_started_with_peers_presents_its_key_to_their_dump(tmp_path: Path) -> None:
     with keyed_service("slot_tracker", tmp_path) as first:
         with SlotTrackerClient(first, api_key=OLD_KEY) as client:
@@ -235,6 +247,7 @@ def test_a_replica_started_with_peers_presents_its_key_to_their_dump(tmp_path: P
                 assert [worker.worker_id for worker in client.workers()] == [7]
 
 
+@pytest.mark.process
 def test_an_indexer_started_with_peers_presents_its_key_to_their_dump(tmp_path: Path) -> None:
     """The indexer's recovery: without the key the peer's `/dump` is a 401 and the replica would
     start empty (`--recovery-timeout-secs` bounds the wait)."""
@@ -249,6 +262,7 @@ def test_an_indexer_started_with_peers_presents_its_key_to_their_dump(tmp_path: 
                 assert [worker.instance_id for worker in client.workers()] == [8]
 
 
+@pytest.mark.process
 def test_the_simulator_clients_present_the_key(tmp_path: Path) -> None:
     from dynamo_lite.simulate.calls import LatencyRecorder, service_clients
 
@@ -271,6 +285,7 @@ class _HeaderNames(HeadersEndpoint):
         return 200, orjson.dumps([name.decode() for name, _ in headers]), b"application/json"
 
 
+@pytest.mark.unit
 def test_an_app_whose_endpoints_read_headers_sees_each_requests_own_headers_with_keys() -> None:
     async def exchange() -> bytes:
         app = Service(routes=[Route("/names", _HeaderNames(), methods=["GET"])])
@@ -293,6 +308,7 @@ def test_an_app_whose_endpoints_read_headers_sees_each_requests_own_headers_with
     assert answers[1].endswith(b'["host","authorization"]')  # the first request's headers are gone
 
 
+@pytest.mark.process
 def test_key_files_are_read_again_on_change_and_on_sighup(tmp_path: Path) -> None:
     """A rotation without a restart: old and new, then new alone; a file left without any full
     key is refused and the keys in force stay."""

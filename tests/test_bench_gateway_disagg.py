@@ -15,6 +15,8 @@ from bench.gateway_disagg import DisaggSettings
 from bench.gateway_stack import EngineSettings, gateway_stack
 from dynamo_lite.simulate.trace import TraceRecord
 
+pytestmark = pytest.mark.unit
+
 
 def test_disaggregated_is_a_part_of_its_own_and_its_flags_reach_the_settings() -> None:
     args = gateway.parse_args(["--disaggregated", "--disagg-engines", "6", "--kv-transfer-bandwidth-gbps", "50"])

@@ -10,6 +10,8 @@ from bench.profiling import top_functions
 from bench.runner import Settings
 from bench.wrk import WrkError, parse_wrk_output
 
+pytestmark = pytest.mark.unit
+
 WRK_OUTPUT = """Running 10s test @ http://127.0.0.1:8091
   1 threads and 64 connections
 BENCH_RESULT {"duration_us":10000000,"requests":50000,"bytes":900000,"connect_errors":0,"read_errors":1,"write_errors":0,"status_errors":2,"timeouts":0,"p50_us":1200,"p90_us":2500,"p99_us":9000,"mean_us":1400.5}

@@ -35,6 +35,7 @@ def in_process(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://service")
 
 
+@pytest.mark.unit
 def test_async_slot_tracker_client_round_trip() -> None:
     async def scenario() -> None:
         async with AsyncSlotTrackerClient(client=in_process(create_slot_tracker())) as client:
@@ -64,6 +65,7 @@ def test_async_slot_tracker_client_round_trip() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_transport_failures_are_service_call_errors() -> None:
     with SlotTrackerClient("http://127.0.0.1:9", timeout=0.5) as client, pytest.raises(ServiceCallError) as failure:
         client.loads()
@@ -71,6 +73,7 @@ def test_transport_failures_are_service_call_errors() -> None:
     assert isinstance(failure.value, ConnectError) and failure.value.path == "/loads"
 
 
+@pytest.mark.unit
 def test_async_indexer_client_round_trip() -> None:
     from dynamo_lite.client import AsyncIndexerClient, OverlapScores
     from dynamo_lite.hashing import local_block_hashes, to_signed
@@ -110,6 +113,7 @@ def test_async_indexer_client_round_trip() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_errors_split_as_httpx_does_under_service_call_error() -> None:
     assert issubclass(ServiceStatusError, ServiceCallError) and issubclass(TransportError, ServiceCallError)
     assert issubclass(ConnectError, TransportError) and issubclass(CallTimeout, TransportError)
@@ -137,12 +141,14 @@ def test_errors_split_as_httpx_does_under_service_call_error() -> None:
     mock.close()
 
 
+@pytest.mark.process
 def test_sync_clients_are_generated_from_the_async_source() -> None:
     result = subprocess.run([sys.executable, "scripts/generate_sync_client.py", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("sync, async_", [(SlotTrackerClient, AsyncSlotTrackerClient),
                                           (IndexerClient, AsyncIndexerClient)])
 def test_sync_clients_have_every_async_method_as_a_typed_function(sync: type, async_: type) -> None:
@@ -160,6 +166,7 @@ def test_sync_clients_have_every_async_method_as_a_typed_function(sync: type, as
     assert set(async_init) - set(sync_init) == {"lean"} and sync_init["client"].annotation == "httpx.Client | None"
 
 
+@pytest.mark.unit
 def test_sync_slot_tracker_client_round_trip() -> None:
     with TestClient(create_slot_tracker(), base_url="http://service") as http, \
             SlotTrackerClient(client=http) as client:

@@ -15,6 +15,8 @@ import httpx
 import pytest
 from support.reference_server import running_service
 
+pytestmark = pytest.mark.process
+
 SLOW_CLIENTS = 500
 
 

@@ -59,6 +59,7 @@ def served_paths(module: str) -> set[str]:
 CONTAINERS = manifest_containers()
 
 
+@pytest.mark.unit
 def test_manifest_runs_both_services_once() -> None:
     modules = sorted(container["command"][-1] for container in CONTAINERS)
     assert modules == ["dynamo_lite.indexer", "dynamo_lite.slot_tracker"]
@@ -67,6 +68,7 @@ def test_manifest_runs_both_services_once() -> None:
             assert doc["spec"]["replicas"] == 1, "state lives in one process: one replica"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("container", CONTAINERS, ids=lambda c: c["name"])
 def test_container_environment_is_accepted_by_the_service(container: dict[str, Any]) -> None:
     env = {item["name"]: item["value"] for item in container["env"]}
@@ -81,6 +83,7 @@ def test_container_environment_is_accepted_by_the_service(container: dict[str, A
         assert name in help_text, f"{name} is not a variable of {container['command'][-1]}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("container", CONTAINERS, ids=lambda c: c["name"])
 def test_probes_use_served_routes_and_the_container_port(container: dict[str, Any]) -> None:
     env = {item["name"]: item["value"] for item in container["env"]}
@@ -95,6 +98,7 @@ def test_probes_use_served_routes_and_the_container_port(container: dict[str, An
         assert probe["httpGet"]["port"] == port["name"]
 
 
+@pytest.mark.unit
 def test_dockerfile_health_check_runs_the_probe_module() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     check = re.search(r"HEALTHCHECK .*?CMD (\[.*?\])", dockerfile, re.S)
@@ -102,6 +106,7 @@ def test_dockerfile_health_check_runs_the_probe_module() -> None:
     assert yaml.safe_load(check.group(1))[:3] == ["python", "-m", "dynamo_lite.probe"]
 
 
+@pytest.mark.process
 def test_probe_passes_on_a_live_service_and_fails_on_a_closed_port() -> None:
     port = free_port()
     with running_server([sys.executable, "-m", "dynamo_lite.slot_tracker", "--port", str(port)], port):
@@ -125,6 +130,7 @@ def compose_services() -> dict[str, dict[str, Any]]:
     return yaml.safe_load(COMPOSE.read_text())["services"]
 
 
+@pytest.mark.process
 def test_compose_runs_several_replicas_of_each_service_on_nats() -> None:
     services = compose_services()
     ours = {name: service for name, service in services.items() if service.get("image") == "dynamo-lite"}
@@ -146,6 +152,8 @@ def test_compose_runs_several_replicas_of_each_service_on_nats() -> None:
     assert len(set(names)) == len(names), "each indexer replica needs its own consumer name"
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_compose_nats_configuration_starts_a_nats_server_with_jetstream(tmp_path: Path) -> None:
     from support.nats_support import nats_server_binary
 
@@ -304,6 +312,7 @@ def dockerfile_copies() -> list[str]:
     return sources
 
 
+@pytest.mark.unit
 def test_dockerfile_copies_every_package_and_its_data() -> None:
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -327,6 +336,7 @@ def test_dockerfile_copies_every_package_and_its_data() -> None:
     assert (ROOT / "services" / "mock_engine" / "tokenizer" / "tokenizer.json").exists() and found >= 4
 
 
+@pytest.mark.unit
 def test_dockerfile_keeps_its_default_command_and_exposes_every_service() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     (cmd,) = re.findall(r"^CMD (\[.*\])$", dockerfile, re.M)
@@ -338,6 +348,7 @@ def test_dockerfile_keeps_its_default_command_and_exposes_every_service() -> Non
 # --- the probe and the picker's HTTP port ----------------------------------------------------
 
 
+@pytest.mark.process
 def test_probe_prefers_the_pickers_metrics_port() -> None:
     from dynamo_lite import probe
 
@@ -397,6 +408,7 @@ def gateway_envoy_config() -> tuple[dict[str, Any], Path]:
     return yaml.safe_load(path.read_text()), path
 
 
+@pytest.mark.unit
 def test_gateway_runs_every_service_with_three_engines() -> None:
     modules = sorted(module_of(service["command"]) for service in gateway_services().values())
     assert modules == ["dynamo_lite.epp", "dynamo_lite.indexer", *["dynamo_lite.mock_engine"] * 3,
@@ -406,6 +418,7 @@ def test_gateway_runs_every_service_with_three_engines() -> None:
     assert envoy["ports"] == ["8081:8081"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", sorted(gateway_services()))
 def test_gateway_commands_variables_and_health_checks_are_the_services(name: str) -> None:
     service = gateway_services()[name]
@@ -417,6 +430,7 @@ def test_gateway_commands_variables_and_health_checks_are_the_services(name: str
     assert check[check.index("--path") + 1] == "/ready" and "/ready" in served_paths(module)
 
 
+@pytest.mark.unit
 def test_gateway_start_order_waits_for_health() -> None:
     services = gateway_document()["services"]
     assert services["envoy"]["depends_on"] == {"epp": {"condition": "service_healthy"}}
@@ -425,6 +439,7 @@ def test_gateway_start_order_waits_for_health() -> None:
     assert all(need == {"condition": "service_healthy"} for need in epp_needs.values())
 
 
+@pytest.mark.unit
 def test_gateway_picker_reaches_the_services_by_name() -> None:
     (epp,) = gateway_services("dynamo_lite.epp").values()
     env = epp["environment"]
@@ -434,6 +449,7 @@ def test_gateway_picker_reaches_the_services_by_name() -> None:
         assert env[variable] == f"http://{name}:{http_port(module, service['environment'])}"
 
 
+@pytest.mark.unit
 def test_gateway_pool_lists_the_engine_containers() -> None:
     import ipaddress
 
@@ -446,6 +462,7 @@ def test_gateway_pool_lists_the_engine_containers() -> None:
         assert ip != ipam["gateway"]
 
 
+@pytest.mark.unit
 def test_gateway_envoy_routes_to_the_pool_and_the_picker() -> None:
     config, _ = gateway_envoy_config()
     engines = envoy_cluster(config, "engines")
@@ -459,6 +476,7 @@ def test_gateway_envoy_routes_to_the_pool_and_the_picker() -> None:
     assert listener["address"]["socket_address"]["port_value"] == container_port
 
 
+@pytest.mark.unit
 def test_gateway_envoy_is_the_fallbacks_configuration_with_compose_addresses() -> None:
     """deploy/compose/envoy.yaml differs from deploy/envoy/envoy-fallbacks.yaml only where the
     compose network needs it: the engines' addresses and how the picker is found."""
@@ -471,6 +489,8 @@ def test_gateway_envoy_is_the_fallbacks_configuration_with_compose_addresses() -
     assert compose == expected
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_gateway_envoy_configuration_validates() -> None:
     binary = envoy_binary()
     if binary is None:
@@ -483,6 +503,7 @@ def test_gateway_envoy_configuration_validates() -> None:
     assert "Deprecated field" not in result.stdout + result.stderr
 
 
+@pytest.mark.process
 def test_gateway_picker_serves_with_the_compose_environment(tmp_path: Path) -> None:
     (epp,) = gateway_services("dynamo_lite.epp").values()
     with picker_from_manifest(epp["environment"], (ROOT / "deploy" / "compose" / "pool.yaml").read_text(),
@@ -543,18 +564,21 @@ def epp_pool() -> list[Any]:
     return parse_pool(config_map["data"][pool_path.name], source=f"{EPP_MANIFEST}: ConfigMap data {pool_path.name}")
 
 
+@pytest.mark.unit
 def test_epp_manifest_runs_the_picker_and_engines() -> None:
     modules = sorted(module_of(container["command"]) for doc in epp_documents("Deployment")
                      for container in doc["spec"]["template"]["spec"]["containers"])
     assert modules == ["dynamo_lite.epp", "dynamo_lite.mock_engine"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("module", ["dynamo_lite.epp", "dynamo_lite.mock_engine"])
 def test_epp_manifest_environment_is_accepted(module: str) -> None:
     container = only_container(deployment_of(module))
     assert_accepted(module, container["command"] + container.get("args", []), env_of(container))
 
 
+@pytest.mark.unit
 def test_epp_manifest_ports_and_probes_are_the_pickers() -> None:
     picker = only_container(deployment_of("dynamo_lite.epp"))
     env = env_of(picker)
@@ -574,6 +598,7 @@ def test_epp_manifest_ports_and_probes_are_the_pickers() -> None:
             assert probe["httpGet"]["path"] in paths
 
 
+@pytest.mark.unit
 def test_epp_manifest_engine_ports_and_probes() -> None:
     engine = only_container(deployment_of("dynamo_lite.mock_engine"))
     env = env_of(engine)
@@ -587,6 +612,7 @@ def test_epp_manifest_engine_ports_and_probes() -> None:
         assert container_port(engine, engine[key]["httpGet"]["port"]) == container_port(engine, "http")
 
 
+@pytest.mark.unit
 def test_epp_manifest_pool_config_map_matches_the_engines() -> None:
     pool = epp_pool()
     engine = only_container(deployment_of("dynamo_lite.mock_engine"))
@@ -595,6 +621,7 @@ def test_epp_manifest_pool_config_map_matches_the_engines() -> None:
     assert {int(endpoint.address.rsplit(":", 1)[1]) for endpoint in pool} == {target["number"]}
 
 
+@pytest.mark.unit
 def test_epp_manifest_service_exposes_grpc_and_metrics() -> None:
     deployment = deployment_of("dynamo_lite.epp")
     picker = only_container(deployment)
@@ -609,6 +636,7 @@ def test_epp_manifest_service_exposes_grpc_and_metrics() -> None:
     assert container_port(picker, ports["http-metrics"]["targetPort"]) == int(env_of(picker)["DYNAMO_LITE_METRICS_PORT"])
 
 
+@pytest.mark.unit
 def test_epp_manifest_picker_reaches_the_services_of_the_main_manifest() -> None:
     env = env_of(only_container(deployment_of("dynamo_lite.epp")))
     services = {doc["metadata"]["name"]: doc for doc in yaml.safe_load_all(MANIFEST.read_text())
@@ -620,6 +648,7 @@ def test_epp_manifest_picker_reaches_the_services_of_the_main_manifest() -> None
         assert int(match.group(2)) in [port["port"] for port in service["spec"]["ports"]]
 
 
+@pytest.mark.unit
 def test_epp_manifest_inference_pool_names_the_engines_and_the_picker() -> None:
     pool = epp_document("InferencePool")
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
@@ -641,6 +670,7 @@ def test_epp_manifest_inference_pool_names_the_engines_and_the_picker() -> None:
     assert container_port(picker, port["targetPort"]) == int(env_of(picker)["DYNAMO_LITE_PORT"])  # gRPC ext_proc
 
 
+@pytest.mark.unit
 def test_epp_manifest_route_sends_requests_to_the_inference_pool() -> None:
     route = epp_document("HTTPRoute")
     assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
@@ -649,6 +679,7 @@ def test_epp_manifest_route_sends_requests_to_the_inference_pool() -> None:
     assert refs == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool_name}]
 
 
+@pytest.mark.process
 def test_epp_manifest_picker_probes_answer(tmp_path: Path) -> None:
     """The picker run with the manifest's environment answers its liveness path on the metrics
     port and its gRPC `readiness` service with SERVING once the pool is registered."""
@@ -689,6 +720,7 @@ def pool_from_pods(pods: list[dict[str, Any]], *flags: str) -> str:
     return result.stdout
 
 
+@pytest.mark.process
 def test_pool_from_pods_writes_a_pool_of_the_running_pods() -> None:
     from dynamo_lite.epp.pool_file import parse_pool
 
@@ -704,6 +736,7 @@ def test_pool_from_pods_writes_a_pool_of_the_running_pods() -> None:
     assert again == pool, "the same pods give the same pool (no re-registration on every run)"
 
 
+@pytest.mark.process
 def test_pool_from_pods_data_parallel_ranks_and_no_events() -> None:
     from dynamo_lite.epp.pool_file import parse_pool
 
@@ -718,6 +751,8 @@ def test_pool_from_pods_data_parallel_ranks_and_no_events() -> None:
     assert plain[0].kv_events_endpoint is None and plain[0].replay_endpoint is None
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 @pytest.mark.parametrize("name", ["envoy.yaml", "envoy-fallbacks.yaml", "envoy-observer.yaml", "envoy-access-log.yaml"])
 def test_shipped_envoy_configurations_validate(name: str) -> None:
     binary = envoy_binary()
@@ -729,6 +764,7 @@ def test_shipped_envoy_configurations_validate(name: str) -> None:
     assert "Deprecated field" not in result.stdout + result.stderr
 
 
+@pytest.mark.unit
 def test_the_observer_configuration_is_the_fallbacks_one_split() -> None:
     """deploy/envoy/envoy-observer.yaml is envoy-fallbacks.yaml with the response side moved to an
     observability-mode filter, exactly as `split_response_side` makes it."""
@@ -739,6 +775,7 @@ def test_the_observer_configuration_is_the_fallbacks_one_split() -> None:
     assert observer == split_response_side(fallbacks)
 
 
+@pytest.mark.unit
 def test_the_access_log_configuration_is_the_fallbacks_one_with_its_ends_logged() -> None:
     """deploy/envoy/envoy-access-log.yaml is envoy-fallbacks.yaml as `access_log_ends` makes it:
     the response body STREAMED to the picker (which closes after the first chunk), the access
@@ -750,6 +787,7 @@ def test_the_access_log_configuration_is_the_fallbacks_one_with_its_ends_logged(
     assert logged == access_log_ends(fallbacks)
 
 
+@pytest.mark.process
 def test_both_services_and_the_picker_take_their_api_keys_from_one_secret(tmp_path: Path) -> None:
     """The manifests' Secret wiring (docs/security.md): the services read the mounted key file,
     the picker gets the client key from the same Secret; and a service started with the

@@ -85,6 +85,7 @@ def own_methods(cls: type) -> dict[str, object]:
     return found
 
 
+@pytest.mark.process
 def test_committed_reference_matches_the_code() -> None:
     result = subprocess.run(
         [sys.executable, str(GENERATOR), "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -95,6 +96,7 @@ def test_committed_reference_matches_the_code() -> None:
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("module_name", MODULES)
 def test_every_public_name_is_in_the_reference_with_a_meaning(module_name: str) -> None:
     sections = module_sections(REFERENCE.read_text(encoding="utf-8"))
@@ -110,6 +112,7 @@ def test_every_public_name_is_in_the_reference_with_a_meaning(module_name: str) 
             assert text.strip(), f"{module_name}.{name}: {signature} has no description"
 
 
+@pytest.mark.unit
 def test_errors_section_documents_both_exceptions() -> None:
     text = REFERENCE.read_text(encoding="utf-8")
     errors = text.split("## Errors", 1)[1].split("\n## ", 1)[0]
@@ -119,6 +122,7 @@ def test_errors_section_documents_both_exceptions() -> None:
     assert "Raised by `KvRouter.select`" in errors
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("class_name", CLIENT_CLASSES)
 def test_every_public_method_of_the_clients_has_a_docstring(class_name: str) -> None:
     client = importlib.import_module("dynamo_lite.client")

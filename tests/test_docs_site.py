@@ -20,6 +20,7 @@ import generate_configuration  # noqa: E402  (docs/ is not a package)
 from dynamo_lite.cli import env_name  # noqa: E402
 
 
+@pytest.mark.process
 def test_mkdocs_builds_the_site_strictly(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
     pytest.importorskip("material", reason="the docs extra is not installed (pip install -e '.[docs]')")
@@ -30,6 +31,7 @@ def test_mkdocs_builds_the_site_strictly(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "configuration" / "index.html").is_file()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("generator", ["generate_configuration.py", "generate_routes.py"])
 def test_the_generated_pages_are_up_to_date(generator: str) -> None:
     result = subprocess.run([sys.executable, str(ROOT / "docs" / generator), "--check"], cwd=ROOT,
@@ -39,6 +41,7 @@ def test_the_generated_pages_are_up_to_date(generator: str) -> None:
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("program", generate_configuration.PROGRAMS, ids=lambda program: program.script)
 def test_every_flag_of_a_service_is_in_the_configuration_page(program: generate_configuration.Program) -> None:
     """Read from the service's --help, independently of the generator: every long option and the
@@ -65,6 +68,7 @@ def test_every_flag_of_a_service_is_in_the_configuration_page(program: generate_
         assert f"`{variable}`" in section, variable
 
 
+@pytest.mark.unit
 def test_the_console_scripts_are_named_in_the_docs() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     docs = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
@@ -72,6 +76,7 @@ def test_the_console_scripts_are_named_in_the_docs() -> None:
         assert f"{script} = " in pyproject and f"`{script}`" in docs
 
 
+@pytest.mark.unit
 def test_the_readme_is_short_with_two_set_up_commands_and_the_test_command_marker() -> None:
     """One or two screens of prose around the blocks a newcomer runs: the set-up command (both
     services), the test command `.ci/run` reads after its marker, the walkthrough, the Python
@@ -88,6 +93,7 @@ def test_the_readme_is_short_with_two_set_up_commands_and_the_test_command_marke
     assert len(re.findall(r"```python\n", readme)) == 1
 
 
+@pytest.mark.unit
 def test_every_link_of_the_readme_resolves() -> None:
     """The README is not part of the site `mkdocs build --strict` checks: its links are checked here."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -105,6 +111,7 @@ def test_every_link_of_the_readme_resolves() -> None:
             assert anchor in slugs, f"README links to {link}: no such heading"
 
 
+@pytest.mark.unit
 def test_the_indexers_help_example_keeps_replay_ports_apart_from_publisher_ports() -> None:
     """The --workers example of the indexer's --help shows data-parallel ranks in the layout
     docs/engines.md recommends: rank r publishes on the PUB port + r and replays on the replay
@@ -129,6 +136,7 @@ def test_the_indexers_help_example_keeps_replay_ports_apart_from_publisher_ports
     assert abs(replay - publisher) > max(rank.dp_rank for rank in ranks), (publisher, replay)
 
 
+@pytest.mark.unit
 def test_register_peer_says_a_running_indexer_only_lists_the_peer() -> None:
     """Peers are read at start-up (recovery); a peer registered while the indexer runs is listed, not
     used: the route's documentation (the OpenAPI document the service serves, the generated route

@@ -25,6 +25,8 @@ from dynamo_lite.indexer.engine_events import (
 )
 from dynamo_lite.indexer.protocols import CLEARED, Removed, Stored
 
+pytestmark = pytest.mark.unit
+
 encode = msgspec.msgpack.encode
 TOKENS = list(range(1, 65))
 LOCAL_16 = local_block_hashes(TOKENS, 16)  # a Dynamo 1.6.1 test vector (tests/test_hashing.py)

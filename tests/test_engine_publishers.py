@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 

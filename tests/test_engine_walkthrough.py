@@ -13,7 +13,7 @@ import pytest
 from support.docs_support import marked_blocks
 from support.reference_server import free_port, running_service
 
-pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+pytestmark = [pytest.mark.process, pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")]
 
 
 def walkthrough() -> str:

@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+import pytest
 from envoy.config.core.v3 import address_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -21,6 +22,8 @@ from dynamo_lite.epp.access_log import AwaitingLog, LogEntry, read_entry
 from dynamo_lite.epp.grpc_server import EppServer
 from dynamo_lite.epp.metrics import EppMetrics
 from dynamo_lite.epp.protocol import RoundRobinPicker
+
+pytestmark = pytest.mark.unit
 
 
 def entry(request_id: str = "r-1", status: int = 200, *, kind: int = al.AccessLogType.DownstreamEnd,

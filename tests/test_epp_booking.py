@@ -53,6 +53,7 @@ async def booked(url: str, request_id: str, *, fallbacks: dict[str, BookingTarge
     return booking, in_flight, ended
 
 
+@pytest.mark.process
 def test_a_streamed_answer_is_added_prefilled_grown_and_freed(slot_tracker: str) -> None:
     async def scenario() -> None:
         booking, in_flight, ended = await booked(slot_tracker, "stream-1")
@@ -76,6 +77,7 @@ def test_a_streamed_answer_is_added_prefilled_grown_and_freed(slot_tracker: str)
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 def test_an_error_status_frees_at_once(slot_tracker: str) -> None:
     async def scenario() -> None:
         booking, in_flight, ended = await booked(slot_tracker, "error-1")
@@ -90,6 +92,7 @@ def test_an_error_status_frees_at_once(slot_tracker: str) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 def test_a_fallback_moves_the_booking(slot_tracker: str) -> None:
     async def scenario() -> None:
         fallback = BookingTarget(2, 0, "10.0.0.2:8000")
@@ -106,6 +109,7 @@ def test_a_fallback_moves_the_booking(slot_tracker: str) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 def test_a_slot_tracker_away_at_the_end_is_freed_when_it_is_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`/free` is retried until it lands: the slot tracker restarts (from its snapshot, so the
     request is still active there) while the answer ends."""
@@ -135,6 +139,7 @@ def test_a_slot_tracker_away_at_the_end_is_freed_when_it_is_back(tmp_path) -> No
 # -- answers the gateway stops showing after their first chunk (the access-log configuration) ----
 
 
+@pytest.mark.unit
 def test_an_unseen_answer_grows_by_one_token_per_decode_step_up_to_its_max_tokens() -> None:
     assert estimated_output_tokens(1, 0.0, 0.01, None) == 1
     assert estimated_output_tokens(1, 0.095, 0.01, None) == 10  # 9 whole steps after the first token
@@ -144,6 +149,7 @@ def test_an_unseen_answer_grows_by_one_token_per_decode_step_up_to_its_max_token
     assert estimated_output_tokens(1, 5.0, 0.0, None) == 1  # no known step: no growth
 
 
+@pytest.mark.process
 def test_an_unseen_answer_books_its_estimated_output_and_frees_it_at_the_end(slot_tracker: str) -> None:
     async def scenario() -> None:
         unobserved: list[Booking] = []
@@ -171,6 +177,7 @@ def test_an_unseen_answer_books_its_estimated_output_and_frees_it_at_the_end(slo
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 def test_a_whole_answer_unseen_after_its_first_chunk_is_not_estimated(slot_tracker: str) -> None:
     """A JSON answer's first chunk comes when it is written: nothing grows after it."""
     async def scenario() -> None:
@@ -193,6 +200,7 @@ def test_a_whole_answer_unseen_after_its_first_chunk_is_not_estimated(slot_track
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 def test_an_unseen_answer_whose_end_was_lost_is_freed_and_an_ended_one_stays_ended(slot_tracker: str) -> None:
     async def scenario() -> None:
         unobserved: list[Booking] = []
@@ -218,6 +226,7 @@ def test_an_unseen_answer_whose_end_was_lost_is_freed_and_an_ended_one_stays_end
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 def test_without_response_headers_a_json_first_chunk_is_a_whole_answer_and_sse_a_stream(slot_tracker: str) -> None:
     """The access-log configuration shows the picker no response headers: the first chunk says
     whether the answer is whole (JSON, nothing grows after it) or streamed (estimated)."""

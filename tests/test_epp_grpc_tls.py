@@ -13,6 +13,8 @@ from support.tls_support import Authority
 
 from dynamo_lite.epp.grpc_tls import CertificateFiles
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:

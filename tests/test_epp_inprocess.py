@@ -58,6 +58,8 @@ def completion(stack: Stack, prompt: list[int], max_tokens: int = 2) -> httpx.Re
     return answer
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_a_repeated_prompt_goes_to_the_engine_that_caches_it(stack: Stack) -> None:
     wait_until(lambda: stack.picker_metric(LISTENERS, status="active") == 3)
     engines = set()
@@ -78,6 +80,8 @@ def test_a_repeated_prompt_goes_to_the_engine_that_caches_it(stack: Stack) -> No
     stack.wait_idle()
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_bookings_end_with_the_answers_and_with_clients_that_hang_up(stack: Stack) -> None:
     body = {"model": MODEL, "prompt": list(range(300, 364)), "max_tokens": 400, "stream": True}
     cancelled = stack.picker_metric("dynamo_lite_epp_request_ends_total", reason="cancelled")
@@ -97,6 +101,8 @@ def test_bookings_end_with_the_answers_and_with_clients_that_hang_up(stack: Stac
     stack.wait_idle()
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_pool_changes_start_and_stop_listeners(stack: Stack) -> None:
     assert listeners(stack) == 3
     stack.write_pool(stack.pool()[:2])
@@ -112,6 +118,7 @@ def test_pool_changes_start_and_stop_listeners(stack: Stack) -> None:
     stack.wait_idle()
 
 
+@pytest.mark.unit
 def test_an_in_process_booking_is_made_on_the_core_at_once() -> None:
     async def scenario() -> None:
         state = LocalState()

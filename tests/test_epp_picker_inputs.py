@@ -23,6 +23,8 @@ from dynamo_lite.epp.prompt import PromptReader
 from dynamo_lite.epp.protocol import PickError, RequestInfo
 from dynamo_lite.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.process
+
 POOL = parse_pool(json.dumps([
     {"address": "127.0.0.1:18001", "worker_id": 1, "model": "mock", "block_size": 16, "lora_names": ["adapter"]},
     {"address": "127.0.0.1:18002", "worker_id": 2, "model": "mock", "block_size": 16},

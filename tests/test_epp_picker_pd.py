@@ -36,6 +36,8 @@ from dynamo_lite.epp.registration import indexer_rank, tracker_workers
 from dynamo_lite.epp.state import LocalState
 from dynamo_lite.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.unit
+
 MODEL = "mock"
 BLOCK = 16
 

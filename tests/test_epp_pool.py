@@ -64,6 +64,7 @@ def entry(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in base.items() if v is not ...}
 
 
+@pytest.mark.unit
 def test_parse_yaml() -> None:
     pool = parse_pool(YAML_POOL, source="pool.yaml")
     assert [ep.rank_key for ep in pool] == [(7, 0), (7, 1), (2**64 - 1, 0)]
@@ -78,6 +79,7 @@ def test_parse_yaml() -> None:
     assert third.tenant_id == "team-a"
 
 
+@pytest.mark.unit
 def test_roles() -> None:
     pool = parse_pool("- {address: 10.0.0.1:80, worker_id: 1, model: m, block_size: 16, role: prefill}\n"
                       "- {address: 10.0.0.2:80, worker_id: 2, model: m, block_size: 16, role: decode}\n"
@@ -88,11 +90,13 @@ def test_roles() -> None:
     assert diff(pool, [*pool[:3], as_decode]).changed == [(pool[3], as_decode)]
 
 
+@pytest.mark.unit
 def test_the_dp_ranks_of_one_engine_share_its_address() -> None:
     pool = parse_pool(pool_text(entry(), entry(dp_rank=1)), source="pool.json")
     assert [(ep.address, ep.rank_key) for ep in pool] == [("10.0.0.1:8000", (1, 0)), ("10.0.0.1:8000", (1, 1))]
 
 
+@pytest.mark.unit
 def test_parse_json_list_and_object_forms() -> None:
     entries = [entry(), entry(address="host-b.example:9000", worker_id=2, dp_rank=3)]
     as_list = parse_pool(json.dumps(entries), source="pool.json")
@@ -102,11 +106,13 @@ def test_parse_json_list_and_object_forms() -> None:
     assert as_list[1].rank_key == (2, 3)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text", ["[]", "endpoints: []", '{"endpoints": []}', "# nobody yet\n[]\n"])
 def test_an_empty_pool_is_valid(text: str) -> None:
     assert parse_pool(text, source="pool.yaml") == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("address, canonical", [
     ("10.0.0.1:8000", "10.0.0.1:8000"),
     ("[::1]:8000", "[::1]:8000"),
@@ -211,6 +217,7 @@ ERRORS = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, message", ERRORS)
 def test_parse_errors(text: str, message: str) -> None:
     with pytest.raises(PoolError) as caught:
@@ -219,6 +226,7 @@ def test_parse_errors(text: str, message: str) -> None:
     assert str(caught.value).startswith("pool.json")
 
 
+@pytest.mark.unit
 def test_errors_carry_their_place() -> None:
     text = "endpoints:\n  - address: 10.0.0.1:80\n    worker_id: 1\n    model: m\n    block_size: 16\n" \
            "  - address: 10.0.0.2:80\n    worker_id: 2\n    model: m\n    block_size: -4\n"
@@ -230,6 +238,7 @@ def test_errors_carry_their_place() -> None:
     assert isinstance(error, ValueError)
 
 
+@pytest.mark.unit
 def test_endpoint_validates_itself() -> None:
     with pytest.raises(ValueError, match="block_size: must be an integer > 0"):
         PoolEndpoint(address="10.0.0.1:80", worker_id=1, model="m", block_size=0)
@@ -239,6 +248,7 @@ def test_endpoint_validates_itself() -> None:
                                          lora_names=("a",)))
 
 
+@pytest.mark.unit
 def test_load_pool(tmp_path: Path) -> None:
     path = tmp_path / "pool.yaml"
     path.write_text(YAML_POOL)
@@ -250,6 +260,7 @@ def test_load_pool(tmp_path: Path) -> None:
         load_pool(path)
 
 
+@pytest.mark.unit
 def test_diff() -> None:
     a = PoolEndpoint(address="10.0.0.1:80", worker_id=1, model="m", block_size=16)
     b = PoolEndpoint(address="10.0.0.2:80", worker_id=2, model="m", block_size=16)
@@ -314,6 +325,7 @@ async def indexer_ranks(url: str, model: str) -> dict[tuple[int, int], dict[str,
         }
 
 
+@pytest.mark.process
 def test_registering_twice_is_idempotent(services: tuple[str, str], caplog: pytest.LogCaptureFixture) -> None:
     tracker_url, indexer_url = services
     model = "idempotent"
@@ -338,6 +350,7 @@ def test_registering_twice_is_idempotent(services: tuple[str, str], caplog: pyte
     assert not caplog.records  # success, both times: no conflict logged
 
 
+@pytest.mark.process
 def test_a_real_conflict_is_not_registered(services: tuple[str, str], caplog: pytest.LogCaptureFixture) -> None:
     tracker_url, indexer_url = services
     model = "conflict"
@@ -366,6 +379,7 @@ def test_a_real_conflict_is_not_registered(services: tuple[str, str], caplog: py
     assert any("indexer: cannot register worker 111 dp_rank 0 of model=conflict" in e for e in errors), errors
 
 
+@pytest.mark.process
 def test_the_indexer_subscribes_to_the_engine(services: tuple[str, str]) -> None:
     tracker_url, indexer_url = services
     model = "kv-events"
@@ -398,6 +412,7 @@ def write_pool(path: Path, endpoints: list[PoolEndpoint]) -> None:
     os.replace(tmp, path)
 
 
+@pytest.mark.process
 def test_the_watcher_follows_the_file(services: tuple[str, str], tmp_path: Path,
                                       caplog: pytest.LogCaptureFixture) -> None:
     tracker_url, indexer_url = services
@@ -478,6 +493,7 @@ def test_the_watcher_follows_the_file(services: tuple[str, str], tmp_path: Path,
     assert any("callback" in m and "failed" in m for m in messages), messages
 
 
+@pytest.mark.process
 def test_a_service_down_at_start_is_registered_when_it_comes_up(
     services: tuple[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -529,6 +545,7 @@ def test_a_service_down_at_start_is_registered_when_it_comes_up(
     assert any(r.getMessage() == "slot tracker reachable again" for r in caplog.records)
 
 
+@pytest.mark.unit
 def test_unreachable_services_raise_nothing(caplog: pytest.LogCaptureFixture) -> None:
     nowhere = f"http://127.0.0.1:{free_port()}"
     pool = [endpoint(151, "nowhere")]

@@ -14,6 +14,8 @@ from dynamo_lite.epp.prompt import PromptReader
 from dynamo_lite.epp.protocol import PickError
 from dynamo_lite.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.unit
+
 CHAT = "/v1/chat/completions"
 WORDS = "routing requests to the engine that caches the prompt is what a KV router does best "
 

@@ -289,6 +289,8 @@ def client(stack: Stack):
 # -- the request side ----------------------------------------------------------------------------
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_request_reaches_the_pick_with_its_body(stack: Stack, client: httpx.Client):
     body = json.dumps(chat(temperature=0.5)).encode()
     r = client.post(CHAT, content=body, headers={"content-type": "application/json", "x-user": "u1"})
@@ -316,11 +318,15 @@ def test_request_reaches_the_pick_with_its_body(stack: Stack, client: httpx.Clie
     assert recorder.body() == r.content
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_round_robin_spreads_requests(stack: Stack, client: httpx.Client):
     served = {client.post(CHAT, json=chat()).json()["served_by"] for _ in range(6)}
     assert served == set(stack.by_address)
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_a_large_body_is_rechunked_intact(stack: Stack, client: httpx.Client):
     body = json.dumps(chat(padding="x" * 200_000)).encode()
     assert len(body) > 3 * MAX_CHUNK
@@ -333,6 +339,8 @@ def test_a_large_body_is_rechunked_intact(stack: Stack, client: httpx.Client):
     assert stack.by_address[pick.endpoints[0]].requests[-1]["body"] == body
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_a_chunked_request_body_arrives_whole(stack: Stack, client: httpx.Client):
     body = json.dumps(chat(padding="y" * 70_000)).encode()
     parts = (body[i : i + 10_000] for i in range(0, len(body), 10_000))  # transfer-encoding: chunked
@@ -342,6 +350,8 @@ def test_a_chunked_request_body_arrives_whole(stack: Stack, client: httpx.Client
     assert stack.picker.last()[0].body == body
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_the_picker_may_replace_the_body(stack: Stack, client: httpx.Client):
     replacement = json.dumps({"model": "test-model", "prompt": "rewritten by the picker"})
     r = client.post(CHAT, json=chat(padding="z" * 1000), headers={"x-test-replace-body": replacement})
@@ -354,6 +364,8 @@ def test_the_picker_may_replace_the_body(stack: Stack, client: httpx.Client):
     assert "content-length" not in seen["headers"] and seen["headers"]["transfer-encoding"] == "chunked"
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_a_get_without_body_is_answered_at_once(stack: Stack, client: httpx.Client):
     r = client.get("/v1/models")
     assert r.status_code == 200, r.text
@@ -363,6 +375,8 @@ def test_a_get_without_body_is_answered_at_once(stack: Stack, client: httpx.Clie
     assert recorder.ended.wait(5) and recorder.of("end") == ["complete"]
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_an_empty_post_ends_with_its_headers_and_is_picked_at_once(stack: Stack, client: httpx.Client):
     # content-length: 0 → Envoy sends the request headers with end_of_stream and no body
     # message, so there is no JSON to check: the picker decides (as for a GET).
@@ -372,6 +386,8 @@ def test_an_empty_post_ends_with_its_headers_and_is_picked_at_once(stack: Stack,
     assert stack.picker.last()[0].body == b""
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -390,6 +406,8 @@ def test_a_body_without_a_model_is_400(stack: Stack, client: httpx.Client, body:
     assert len(stack.picker.requests) == picks  # no pick was made
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_a_pick_error_reaches_the_client_with_its_headers(stack: Stack, client: httpx.Client):
     r = client.post(CHAT, json=chat(), headers={"x-test-shed": "rejected-saturated"})
     assert r.status_code == 429
@@ -399,6 +417,8 @@ def test_a_pick_error_reaches_the_client_with_its_headers(stack: Stack, client: 
                                   "code": "rate_limit_exceeded"}}
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_the_subset_hint_restricts_the_pick(stack: Stack, client: httpx.Client):
     one, two, three = (u.address for u in stack.upstreams)
     for _ in range(3):
@@ -415,6 +435,8 @@ def test_the_subset_hint_restricts_the_pick(stack: Stack, client: httpx.Client):
     assert stack.picker.last()[0].subset == (three, "10.9.9.9:1")
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 @pytest.mark.parametrize("header", [{"x-test-subset": "10.9.9.9:1"}, {"x-test-subset-string": ""}])
 def test_an_empty_or_unknown_subset_is_503(stack: Stack, client: httpx.Client, header: dict[str, str]):
     r = client.post(CHAT, json=chat(), headers=header)
@@ -423,6 +445,8 @@ def test_an_empty_or_unknown_subset_is_503(stack: Stack, client: httpx.Client, h
     assert stack.picker.requests[-1].subset in {("10.9.9.9:1",), ()}
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_client_gateway_headers_do_not_steer_or_pass(stack: Stack, client: httpx.Client):
     one, two, _ = (u.address for u in stack.upstreams)
     for _ in range(3):
@@ -442,6 +466,8 @@ def test_client_gateway_headers_do_not_steer_or_pass(stack: Stack, client: httpx
 # -- the response side ---------------------------------------------------------------------------
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_a_streamed_answer_arrives_byte_for_byte(stack: Stack, client: httpx.Client):
     arrivals: list[float] = []
     received = b""
@@ -463,6 +489,8 @@ def test_a_streamed_answer_arrives_byte_for_byte(stack: Stack, client: httpx.Cli
     assert recorder.of("served") == [pick.endpoints[0]] == [engine]
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_a_client_hanging_up_mid_stream_ends_the_request_cancelled(stack: Stack, client: httpx.Client):
     with client.stream("POST", CHAT, json=chat(stream=True, sse_chunks=200, sse_pause=0.02)) as r:
         assert r.status_code == 200
@@ -475,6 +503,8 @@ def test_a_client_hanging_up_mid_stream_ends_the_request_cancelled(stack: Stack,
     assert len(recorder.of("response_chunk")) < 200
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_a_raising_tracker_does_not_break_the_stream(stack: Stack, client: httpx.Client):
     with client.stream("POST", CHAT, json=chat(stream=True), headers={"x-test-raising-tracker": "1"}) as r:
         received = r.read()
@@ -483,6 +513,8 @@ def test_a_raising_tracker_does_not_break_the_stream(stack: Stack, client: httpx
     assert recorder.ended.wait(5) and recorder.of("end") == ["complete"]
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_envoys_own_answers_go_to_the_tracker(stack: Stack, client: httpx.Client):
     # The pick goes to a port where nothing listens: Envoy answers 503 itself, and the tracker
     # hears about it like any answer (served: the upstream never answered, so none).
@@ -505,6 +537,8 @@ def test_envoys_own_answers_go_to_the_tracker(stack: Stack, client: httpx.Client
 # -- the picker down: fail closed, fail open ------------------------------------------------------
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_picker_down_fails_closed_or_open(stack: Stack):
     """The picker not ready, then stopped, behind three Envoys.
 
@@ -572,6 +606,8 @@ def test_picker_down_fails_closed_or_open(stack: Stack):
 # -- gRPC health ---------------------------------------------------------------------------------
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_grpc_health(stack: Stack):
     ready = {"value": False}
     picker = RoundRobinPicker(["127.0.0.1:1"])
@@ -615,6 +651,7 @@ def test_grpc_health(stack: Stack):
     assert out["watch_shutdown"] == N and out["shutdown"] == N
 
 
+@pytest.mark.unit
 def test_health_messages_encode_as_protobuf():
     # The hand-written codec against protobuf's own encoding of the same two messages.
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -643,6 +680,8 @@ OBSERVER_FILTER = observer_filter(deferred_close_timeout="0.5s")
 PRIMARY_REQUEST_SIDE_ONLY = REQUEST_SIDE_ONLY
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_the_response_side_can_run_in_an_observability_mode_filter(stack: Stack):
     envoy = envoy_process(
         picker_port=stack.server.port,
@@ -692,6 +731,8 @@ def recorder_of(stack: Stack, request_id: str) -> tuple[Pick, Recorder]:
     raise AssertionError(f"no pick for {request_id}")
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_with_the_access_log_the_picker_sees_one_chunk_and_each_end(stack: Stack, access_log_envoy: Envoy):
     """Concurrent streamed answers arrive whole while the picker sees only their first chunk;
     each end, and the engine that served, come from the access log."""
@@ -725,6 +766,8 @@ def test_with_the_access_log_the_picker_sees_one_chunk_and_each_end(stack: Stack
     assert sent / count < 8, sent / count
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_with_the_access_log_a_client_hanging_up_ends_its_request_cancelled(stack: Stack,
                                                                           access_log_envoy: Envoy):
     request_id = f"gone-{time.monotonic_ns()}"
@@ -738,6 +781,8 @@ def test_with_the_access_log_a_client_hanging_up_ends_its_request_cancelled(stac
     assert len(recorder.of("response_chunk")) == 1
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_with_the_access_log_whole_and_failed_answers_end_as_they_did(stack: Stack, access_log_envoy: Envoy):
     request_id = f"whole-{time.monotonic_ns()}"
     r = httpx.post(access_log_envoy.url + CHAT, json=chat(), headers={"x-request-id": request_id}, timeout=15.0)
@@ -761,6 +806,8 @@ def test_with_the_access_log_whole_and_failed_answers_end_as_they_did(stack: Sta
     assert recorder.ended.wait(5) and recorder.of("end") == ["error_status"]
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_with_the_access_log_envoys_periodic_entries_keep_a_long_answer_from_being_lost(
         stack: Stack, access_log_envoy: Envoy):
     """An answer streaming for several times --access-log-silence-secs is kept alive by Envoy's
@@ -836,6 +883,8 @@ async def read_n(call: Any, n: int) -> list[pb.ProcessingResponse]:
     return [await asyncio.wait_for(call.read(), 5) for _ in range(n)]
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_headers_the_picker_removes_are_removed(stack: Stack):
     headers = {**POST, "x-prefiller-host-port": "10.9.9.9:80", "x-test-remove": "x-prefiller-host-port,x-picked-by"}
 
@@ -853,6 +902,8 @@ def test_headers_the_picker_removes_are_removed(stack: Stack):
     assert "x-picked-by" in {h.header.key for h in mutation.set_headers}
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_the_headers_reply_and_the_rechunked_body(stack: Stack):
     body = json.dumps(chat(padding="p" * 130_000)).encode()
 
@@ -907,6 +958,8 @@ def test_the_headers_reply_and_the_rechunked_body(stack: Stack):
     ]
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_request_trailers_end_the_body(stack: Stack):
     async def script(call: Any) -> Any:
         await call.write(headers_msg(POST))
@@ -936,6 +989,8 @@ def test_request_trailers_end_the_body(stack: Stack):
         "code": "model_missing"}
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_observability_mode_messages_get_no_reply(stack: Stack):
     async def script(call: Any) -> Any:
         await call.write(headers_msg(POST, end=True))  # the primary stream: picks
@@ -976,6 +1031,8 @@ class FailingPicker:
         raise AssertionError("not cancelled")
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_picker_failures(stack: Stack):
     picker = FailingPicker()
     server = stack.loop.run(serve(picker, host="127.0.0.1", port=0))
@@ -1007,6 +1064,8 @@ def test_picker_failures(stack: Stack):
         stack.loop.run(server.stop(0))
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a certificate")
 def test_tls(stack: Stack, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"

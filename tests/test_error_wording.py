@@ -13,6 +13,8 @@ import httpx
 import pytest
 from support.reference_server import running_service
 
+pytestmark = pytest.mark.process
+
 JSON = {"content-type": "application/json"}
 
 # (service, method, path, body or None, headers, status): one request per kind of refusal.

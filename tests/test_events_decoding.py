@@ -17,6 +17,8 @@ from dynamo_lite.errors import InvalidShape, ServiceError
 from dynamo_lite.indexer.protocols import decode_events_document, explain_events_document, parse_events_document
 from dynamo_lite.validation import decode_json
 
+pytestmark = pytest.mark.unit
+
 U64 = 2**64 - 1
 I64_MIN = -(2**63)
 

@@ -51,6 +51,7 @@ def assert_left_clean(env: dict[str, str]) -> None:
     assert httpx.get(env["INDEXER_URL"] + "/workers", headers=AUTH).json() == []
 
 
+@pytest.mark.unit
 def test_the_python_quickstart_of_the_readme_and_the_docs_is_the_example_verbatim() -> None:
     quickstart = (EXAMPLES / "quickstart.py").read_text(encoding="utf-8")
     pages = {page.name for page, block in blocks("python") if "KvRouter" in block and block == quickstart}
@@ -58,6 +59,7 @@ def test_the_python_quickstart_of_the_readme_and_the_docs_is_the_example_verbati
     assert {"README.md", "routing.md"} <= pages and not differing, f"these pages' quickstart differs: {differing}"
 
 
+@pytest.mark.process
 def test_quickstart(services: dict[str, str]) -> None:
     out = run([sys.executable, "examples/quickstart.py"], services)
     # Nothing cached, nothing running: 100 tokens to prefill at the default 32 us per token.
@@ -67,6 +69,7 @@ def test_quickstart(services: dict[str, str]) -> None:
     assert_left_clean(services)
 
 
+@pytest.mark.process
 def test_gateway_keeps_each_conversation_on_its_worker(services: dict[str, str]) -> None:
     out = run([sys.executable, "examples/gateway.py"], services)
     assert "every conversation stayed on one worker, each on its own" in out, out
@@ -74,6 +77,7 @@ def test_gateway_keeps_each_conversation_on_its_worker(services: dict[str, str])
     assert_left_clean(services)
 
 
+@pytest.mark.process
 def test_sidecar_reports_an_engines_cache(services: dict[str, str]) -> None:
     out = run([sys.executable, "examples/sidecar.py", "examples/sidecar_events.jsonl"], services)
     assert "step 2: 2 events, applied 2, rejected 0, gaps 0" in out, out
@@ -81,6 +85,7 @@ def test_sidecar_reports_an_engines_cache(services: dict[str, str]) -> None:
     assert_left_clean(services)  # the file is the engine's life: its worker goes at the end
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("curl") is None and os.environ.get("CI") != "true", reason="curl is not installed")
 def test_routing_with_curl_only(services: dict[str, str]) -> None:
     out = run(["bash", "examples/route_with_curl.sh"], services)
@@ -98,6 +103,7 @@ EVERY_EXAMPLE = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("curl") is None and os.environ.get("CI") != "true", reason="curl is not installed")
 @pytest.mark.parametrize("name", list(EVERY_EXAMPLE))
 def test_an_example_meeting_its_ids_in_use_says_why_in_one_line_and_leaves_them(services: dict[str, str], name: str) -> None:
@@ -118,6 +124,7 @@ def test_an_example_meeting_its_ids_in_use_says_why_in_one_line_and_leaves_them(
     assert_left_clean(services)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", list(EVERY_EXAMPLE))
 def test_an_example_without_services_says_so_in_one_line(name: str) -> None:
     if name.endswith(".sh") and shutil.which("curl") is None:
@@ -128,6 +135,7 @@ def test_an_example_without_services_says_so_in_one_line(name: str) -> None:
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv", [["examples/gateway.py"], ["examples/sidecar.py"], ["-m", "dynamo_lite.simulate"],
                                   ["-m", "dynamo_lite.stack"]], ids=["gateway.py", "sidecar.py", "simulate", "stack"])
 def test_help_explains_every_flag_and_shows_each_default_once(argv: list[str]) -> None:
@@ -140,6 +148,7 @@ def test_help_explains_every_flag_and_shows_each_default_once(argv: list[str]) -
         assert "(default: False)" not in option, option  # a switch is off unless given
 
 
+@pytest.mark.process
 def test_the_walkthrough_the_examples_and_the_simulator_run_at_once_on_the_same_services(
         services: dict[str, str]) -> None:
     """Each has worker ids and a model of its own, so they do not clash even when they overlap in

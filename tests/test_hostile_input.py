@@ -33,6 +33,8 @@ from dynamo_lite.http import DEFAULT_MAX_BODY
 from dynamo_lite.indexer.app import LARGE_BODY
 from dynamo_lite.server import MAX_REQUEST_HEAD
 
+pytestmark = pytest.mark.process
+
 STALL = 30.0  # seconds without an answer that count as a stalled process
 MODEL = "hostile"
 

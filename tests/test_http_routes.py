@@ -19,6 +19,8 @@ from dynamo_lite.auth import Access, ApiKeys
 from dynamo_lite.errors import NotFound
 from dynamo_lite.validation import U32, RequestBody, decoder
 
+pytestmark = pytest.mark.unit
+
 
 class Item(RequestBody, kw_only=True):
     name: str

@@ -17,6 +17,7 @@ from dynamo_lite.indexer.endpoints import EndpointRules
 RULES = "10.0.0.0/8,fd00::/8,192.168.1.7:5557-5558,*.engines.svc.cluster.local:5557,vllm-?,ipc:///run/vllm/*"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("endpoint", [
     "tcp://10.1.2.3:5557", "tcp://[fd00::1]:9000", "tcp://192.168.1.7:5558", "tcp://a.engines.svc.cluster.local:5557",
     "tcp://B.Engines.SVC.cluster.local:5557", "tcp://vllm-3:1234", "ipc:///run/vllm/engine-0",
@@ -25,6 +26,7 @@ def test_endpoints_inside_the_rules_pass(endpoint: str) -> None:
     EndpointRules.parse(RULES).check(endpoint)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("endpoint", [
     "tcp://11.0.0.1:5557", "tcp://[fe80::1]:9000", "tcp://192.168.1.7:5559", "tcp://a.engines.svc.cluster.local:80",
     "tcp://evil.com:5557", "tcp://engines.svc.cluster.local.evil.com:5557", "tcp://vllm-33:1234",
@@ -36,12 +38,14 @@ def test_endpoints_outside_the_rules_are_a_400_naming_them(endpoint: str) -> Non
     assert refused.value.message == f"endpoint `{endpoint}` is outside --allowed-endpoints ({RULES.replace(',', ', ')})"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text", ["", " , ", "10.0.0.0/8:0", "host:9-2", "a/b", "bad host", ":5557"])
 def test_unusable_rules_are_refused(text: str) -> None:
     with pytest.raises(ValueError):
         EndpointRules.parse(text)
 
 
+@pytest.mark.process
 def test_the_indexer_refuses_register_outside_the_rules() -> None:
     with running_service("indexer", "--allowed-endpoints", "10.0.0.0/8,ipc:///nonexistent/*") as url, \
             httpx.Client(base_url=url, timeout=10) as client:
@@ -59,6 +63,7 @@ def test_the_indexer_refuses_register_outside_the_rules() -> None:
         assert client.post("/register", json={**register, "instance_id": 2}).status_code == 201  # no endpoint: fine
 
 
+@pytest.mark.process
 def test_a_bad_rule_stops_the_command() -> None:
     done = subprocess.run([sys.executable, "-m", "dynamo_lite.indexer", "--allowed-endpoints", "a/b"],
                           capture_output=True, text=True, timeout=60, env=dict(os.environ))

@@ -53,6 +53,7 @@ def rank_info(indexer: Indexer, instance_id: int, dp_rank: int = 0) -> tuple[str
 # --- TTL, refresh, bound ---------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_routed_blocks_count_like_device_blocks_until_their_ttl_runs_out(clock: Clock) -> None:
     indexer = make_indexer(clock)
     report = indexer.record_routed("llama", "default", 7, 0, L)
@@ -73,6 +74,7 @@ def test_routed_blocks_count_like_device_blocks_until_their_ttl_runs_out(clock: 
     assert indexer.partitions[("llama", "default")].tree.slots.keys() == {(7, 0)}
 
 
+@pytest.mark.unit
 def test_routing_again_restarts_the_ttl_of_the_blocks_it_names(clock: Clock) -> None:
     indexer = make_indexer(clock)
     indexer.record_routed("llama", "default", 7, 0, L)
@@ -88,6 +90,7 @@ def test_routing_again_restarts_the_ttl_of_the_blocks_it_names(clock: Clock) -> 
     assert (report.recorded, report.new) == (3, 3)
 
 
+@pytest.mark.unit
 def test_a_new_tail_under_a_routed_prefix_extends_it(clock: Clock) -> None:
     indexer = make_indexer(clock)
     indexer.record_routed("llama", "default", 7, 0, L[:2])
@@ -100,6 +103,7 @@ def test_a_new_tail_under_a_routed_prefix_extends_it(clock: Clock) -> None:
     assert rank_info(indexer, 7)[3] == 6
 
 
+@pytest.mark.unit
 def test_the_bound_evicts_what_expires_first_deepest_first(clock: Clock) -> None:
     indexer = make_indexer(clock, max_blocks=5)
     indexer.record_routed("llama", "default", 7, 0, L[:3])
@@ -119,6 +123,7 @@ def test_the_bound_evicts_what_expires_first_deepest_first(clock: Clock) -> None
     assert scores(indexer, L) == {"7": {"0": 32}}
 
 
+@pytest.mark.unit
 def test_the_sweep_expires_every_partition(clock: Clock) -> None:
     indexer = make_indexer(clock)
     indexer.register(1, "other", "t", 4)
@@ -136,6 +141,7 @@ def test_the_sweep_expires_every_partition(clock: Clock) -> None:
 # --- with events -----------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_events_and_approximations_coexist_and_a_rank_scores_the_longer(clock: Clock) -> None:
     indexer = make_indexer(clock)
     apply(indexer, doc(stored(7, 0, None, [1, 2], L[:2]), stored(8, 0, None, [11, 12, 13], L[:3])))
@@ -149,6 +155,7 @@ def test_events_and_approximations_coexist_and_a_rank_scores_the_longer(clock: C
     assert scores(indexer, L) == {"7": {"0": 32}, "8": {"0": 48}}
 
 
+@pytest.mark.unit
 def test_lower_tiers_count_past_the_longer_match(clock: Clock) -> None:
     indexer = make_indexer(clock)
     apply(indexer, doc(
@@ -166,6 +173,7 @@ def test_lower_tiers_count_past_the_longer_match(clock: Clock) -> None:
         "longest_matched": 64, "gpu": 64, "dp": {"0": 64}, "cpu": 64, "disk": 64}
 
 
+@pytest.mark.unit
 def test_a_removed_event_drops_the_approximations_of_the_blocks_it_removes(clock: Clock) -> None:
     indexer = make_indexer(clock)
     apply(indexer, doc(stored(7, 0, None, [1, 2, 3], L[:3])))
@@ -181,6 +189,7 @@ def test_a_removed_event_drops_the_approximations_of_the_blocks_it_removes(clock
     assert rank_info(indexer, 7)[3] == 3
 
 
+@pytest.mark.unit
 def test_cleared_and_engine_restarts_drop_every_approximation_of_the_rank_only(clock: Clock) -> None:
     indexer = make_indexer(clock)
     for rank in (7, 8, 9):
@@ -193,6 +202,7 @@ def test_cleared_and_engine_restarts_drop_every_approximation_of_the_rank_only(c
     assert indexer.approximate_blocks() == 4
 
 
+@pytest.mark.unit
 def test_unregister_drops_the_approximations(clock: Clock) -> None:
     indexer = make_indexer(clock)
     indexer.register(7, "llama", "default", 16, dp_rank=1)
@@ -209,6 +219,7 @@ def test_unregister_drops_the_approximations(clock: Clock) -> None:
     assert indexer.approximate_blocks() == 0
 
 
+@pytest.mark.unit
 def test_source_says_how_each_rank_is_indexed(clock: Clock) -> None:
     indexer = make_indexer(clock)
     assert rank_info(indexer, 7) == ("none", True, 0, 0)
@@ -228,6 +239,7 @@ def test_source_says_how_each_rank_is_indexed(clock: Clock) -> None:
     assert rank_info(indexer, 9) == ("events", True, 0, 0)  # its engine publishes
 
 
+@pytest.mark.unit
 def test_unknown_partitions_and_foreign_instances_are_refused(clock: Clock) -> None:
     indexer = make_indexer(clock)
     indexer.register(3, "other", "default", 16)
@@ -240,6 +252,7 @@ def test_unknown_partitions_and_foreign_instances_are_refused(clock: Clock) -> N
     assert indexer.approximate_blocks() == 0
 
 
+@pytest.mark.unit
 def test_token_ids_are_hashed_as_query_hashes_them(clock: Clock) -> None:
     indexer = make_indexer(clock)
     tokens = list(range(1, 70))  # 4 full blocks and a partial one, ignored
@@ -255,6 +268,7 @@ def test_token_ids_are_hashed_as_query_hashes_them(clock: Clock) -> None:
 # --- dumps, snapshots, recovery --------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_dumps_carry_approximations_with_their_expiry_and_reload_them(clock: Clock) -> None:
     indexer = make_indexer(clock)
     apply(indexer, doc(stored(7, 0, None, [1, 2], L[:2])))
@@ -284,6 +298,7 @@ def test_dumps_carry_approximations_with_their_expiry_and_reload_them(clock: Clo
     assert scores(copy, L) == {"7": {"0": 32}}
 
 
+@pytest.mark.unit
 def test_loading_caps_the_ttl_drops_the_expired_and_keeps_the_later_expiry(clock: Clock) -> None:
     def entry(worker: int, expires_at: list[float], parent: int | None = None, locals_: list[int] = L) -> dict:
         names = sequence_hashes(locals_)[: len(expires_at)]
@@ -313,6 +328,7 @@ def test_loading_caps_the_ttl_drops_the_expired_and_keeps_the_later_expiry(clock
     assert rank_info(indexer, 10) == ("approximate", False, 0, 0)
 
 
+@pytest.mark.unit
 def test_an_events_document_with_only_approximations_creates_its_partition(clock: Clock) -> None:
     indexer = Indexer(clock=clock, wall_clock=clock.wall)
     names = sequence_hashes(L[:1])
@@ -325,6 +341,7 @@ def test_an_events_document_with_only_approximations_creates_its_partition(clock
         indexer.apply_events(parse_events_document({**document, "m:other": document["m:t"]}))
 
 
+@pytest.mark.unit
 def test_approximations_are_validated_like_events() -> None:
     def refused(approximations: object) -> str:
         with pytest.raises(Exception) as failure:
@@ -340,6 +357,7 @@ def test_approximations_are_validated_like_events() -> None:
     assert "approximations[0].worker_id" in refused([{"worker_id": 2**64, "blocks": []}])
 
 
+@pytest.mark.unit
 def test_a_tree_bound_that_drops_approximated_blocks_leaves_harmless_timers(clock: Clock) -> None:
     indexer = make_indexer(clock, tree_max_blocks=4)
     indexer.record_routed("llama", "default", 7, 0, L)
@@ -367,6 +385,7 @@ def routed(client: TestClient, body: dict) -> httpx.Response:
     return post(client, "/routed", {"model_name": "llama", "instance_id": 7, **body})
 
 
+@pytest.mark.unit
 def test_routed_route_records_and_reports(client: TestClient) -> None:
     assert_error(routed(client, {"block_hashes": to_signed_list(L)}), 404,
                  "no indexer for model=llama tenant_id=default")
@@ -394,6 +413,7 @@ def test_routed_route_records_and_reports(client: TestClient) -> None:
         "9": {"0": 32}}
 
 
+@pytest.mark.unit
 def test_routed_route_refuses_bad_requests(client: TestClient) -> None:
     assert post(client, "/register", {"instance_id": 7, "model_name": "llama", "block_size": 16}).status_code == 201
     assert post(client, "/register", {"instance_id": 3, "model_name": "other", "block_size": 16}).status_code == 201
@@ -421,6 +441,7 @@ def test_routed_route_refuses_bad_requests(client: TestClient) -> None:
     assert client.get("/workers").json()[0]["ranks"][0]["approximate_blocks"] == 0
 
 
+@pytest.mark.unit
 def test_routed_takes_bodies_up_to_8_mib_like_query(client: TestClient) -> None:
     assert post(client, "/register", {"instance_id": 7, "model_name": "llama", "block_size": 16}).status_code == 201
     big = {"model_name": "llama", "instance_id": 7, "token_ids": [], "lora_name": "x" * 3_000_000}  # > 2 MiB
@@ -428,6 +449,7 @@ def test_routed_takes_bodies_up_to_8_mib_like_query(client: TestClient) -> None:
     assert_error(post(client, "/routed", {**big, "lora_name": "x" * (8 * 1024 * 1024)}), 413)
 
 
+@pytest.mark.unit
 def test_client_routed_round_trip() -> None:
     async def scenario() -> None:
         app = create_app()
@@ -449,6 +471,7 @@ def test_client_routed_round_trip() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_cli_flags_reach_the_indexer() -> None:
     from dynamo_lite.indexer.__main__ import main
 
@@ -491,6 +514,7 @@ def scores_at(url: str) -> dict:
             "scores"]
 
 
+@pytest.mark.process
 def test_an_indexer_recovering_from_a_peer_gets_its_approximations() -> None:
     with running_service("indexer") as peer:
         seed_peer(peer)
@@ -501,6 +525,8 @@ def test_an_indexer_recovering_from_a_peer_gets_its_approximations() -> None:
             assert ranks == {(7, "events", 0), (8, "approximate", 4)}
 
 
+@pytest.mark.process
+@pytest.mark.reference
 @pytest.mark.reference
 def test_dynamo_recovers_from_a_dump_with_approximations_and_ignores_them() -> None:
     python = require_reference_or_skip()

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -40,6 +41,8 @@ from dynamo_lite.indexer.approx import shadow_of
 from dynamo_lite.indexer.core import ApplyReport, Indexer
 from dynamo_lite.indexer.protocols import LOWER_TIERS, parse_events_document
 from dynamo_lite.indexer.tree import StoreStatus
+
+pytestmark = pytest.mark.unit
 
 MODEL, TENANT, BLOCK = "m", "default", 4
 ANCHOR = (99, 0)  # always registered, so the partition never goes away

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamo_lite.indexer.tree import Chain, Node, PrefixTree
+
+pytestmark = pytest.mark.unit
 
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0)]
 # Few distinct local hashes, so prompts share prefixes and diverge inside chains.

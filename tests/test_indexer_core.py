@@ -26,6 +26,8 @@ from dynamo_lite.indexer.protocols import (
 )
 from dynamo_lite.indexer.tree import Node, PrefixTree, StoreStatus
 
+pytestmark = pytest.mark.unit
+
 # --- document helpers ------------------------------------------------------------------------
 
 

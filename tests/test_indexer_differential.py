@@ -54,7 +54,7 @@ from support.indexer_differential import (
 )
 from support.reference_server import require_reference_or_skip, running_server
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.process, pytest.mark.reference]
 
 SEEDS = [int(s) for s in os.environ.get("DYNAMO_LITE_INDEXER_DIFF_SEEDS", "1,2,3").split(",") if s.strip()]
 QUERIES = int(os.environ.get("DYNAMO_LITE_INDEXER_DIFF_QUERIES", "120"))

@@ -17,6 +17,7 @@ the same recency order and count the same evictions.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from starlette.testclient import TestClient
 from support.eviction_machine import LOCALS, EvictionMachine
@@ -26,6 +27,8 @@ from dynamo_lite.indexer.app import IndexerConfig, create_app
 from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.tree import PrefixTree
+
+pytestmark = pytest.mark.unit
 
 TestEviction = EvictionMachine.TestCase
 TestEviction.settings = settings(

@@ -11,6 +11,8 @@ from support.http_support import JSON, assert_error, post
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
 from dynamo_lite.indexer.app import IndexerConfig, create_app
 
+pytestmark = pytest.mark.unit
+
 TOKENS = list(range(1, 65))
 LOCAL = local_block_hashes(TOKENS, 16)  # the reference's range(1, 65) / 16 vector
 

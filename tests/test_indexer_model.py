@@ -18,8 +18,11 @@ Removals are tail-first, mid-chain and random (unknown hashes too).
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from support.index_model_machine import IndexModel
+
+pytestmark = pytest.mark.unit
 
 IndexModel.TestCase.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]

@@ -10,6 +10,8 @@ from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.partitions import EVENTS, NONE, AlreadyRegistered, Gap, Partitions, Rank, Watermarks
 from dynamo_lite.indexer.protocols import parse_events_document
 
+pytestmark = pytest.mark.unit
+
 
 def stored_document(key: str, worker_id: int, event_id: int = 0) -> dict:
     event = {"event_id": event_id, "dp_rank": 0,

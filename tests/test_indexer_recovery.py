@@ -87,6 +87,7 @@ def compare_all(services: list[Service], workload: Workload, rng: random.Random,
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_ours_recovers_from_ours_and_follows_on() -> None:
     port_a, port_b = distinct_ports(2)
     with workload_engines(101) as (workload, engines, rng), \
@@ -125,6 +126,7 @@ def test_ours_recovers_from_ours_and_follows_on() -> None:
             compare_all([a, b], workload, rng, "A and B after more events")
 
 
+@pytest.mark.process
 def test_an_empty_partition_survives_recovery() -> None:
     port_a, port_b = distinct_ports(2)
     with service(ours_argv(port_a), port_a, "A (ours)", reference=False) as a:
@@ -144,6 +146,8 @@ def test_an_empty_partition_survives_recovery() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
+@pytest.mark.reference
 @pytest.mark.reference
 @pytest.mark.parametrize("threads", ["1", "4"])
 def test_ours_recovers_from_a_running_reference(threads: str) -> None:
@@ -170,6 +174,8 @@ def test_ours_recovers_from_a_running_reference(threads: str) -> None:
             compare_all([ref, ours], workload, rng, f"ours recovered from reference --threads {threads}")
 
 
+@pytest.mark.process
+@pytest.mark.reference
 @pytest.mark.reference
 @pytest.mark.parametrize(
     "colon_in_model",
@@ -208,6 +214,7 @@ def test_reference_recovers_from_ours(colon_in_model: bool) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_unreachable_peers_start_empty_after_the_recovery_timeout() -> None:
     port, dead_port = distinct_ports(2)
     dead = f"http://127.0.0.1:{dead_port}"
@@ -227,6 +234,7 @@ def test_unreachable_peers_start_empty_after_the_recovery_timeout() -> None:
         assert answer["scores"] == {"1": {"0": 4}}
 
 
+@pytest.mark.process
 def test_a_dead_peer_before_a_live_one_is_skipped() -> None:
     port_a, port_b, dead_port = distinct_ports(3)
     dead = f"http://127.0.0.1:{dead_port}"

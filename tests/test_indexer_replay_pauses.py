@@ -108,6 +108,8 @@ def lose_three_batches_and_pause(engine: EnginePublisher, fleet: list[tuple[http
         time.sleep(PAUSE_SECS)
 
 
+@pytest.mark.process
+@pytest.mark.nats
 @pytest.mark.parametrize(("replicas", "paused"), [(0, 1), (2, 2), (2, 1)],
                          ids=["single indexer", "replicas paused together", "one replica of two paused"])
 def test_a_pause_longer_than_the_replay_timeout_loses_nothing(
@@ -128,6 +130,7 @@ def test_a_pause_longer_than_the_replay_timeout_loses_nothing(
             assert query(client, "m")["scores"] == {"7": {"0": 5 * BLOCK}}
 
 
+@pytest.mark.process
 def test_a_paused_indexer_counts_as_lost_only_what_the_engine_no_longer_buffers(context: zmq.Context) -> None:
     # Three batches kept: by the time the engine answers, seq 1 has left its buffer.
     with one_indexer(context, buffer_steps=3) as (client, engine, fleet):
@@ -139,6 +142,7 @@ def test_a_paused_indexer_counts_as_lost_only_what_the_engine_no_longer_buffers(
         assert query(client, "m")["scores"] == {"7": {"0": BLOCK}}
 
 
+@pytest.mark.process
 def test_a_replay_answer_in_pieces_across_the_deadline_is_read_whole(context: zmq.Context) -> None:
     with one_indexer(context) as (client, engine, _):
         # Six messages (four lost batches, the live one, the end marker), 0.8 s apart: the whole
@@ -154,6 +158,7 @@ def test_a_replay_answer_in_pieces_across_the_deadline_is_read_whole(context: zm
         assert query(client, "m")["scores"] == {"7": {"0": 6 * BLOCK}}
 
 
+@pytest.mark.process
 def test_an_engine_silent_past_the_deadline_is_asked_again_from_the_first_missing_batch(
     context: zmq.Context
 ) -> None:
@@ -172,6 +177,7 @@ def test_an_engine_silent_past_the_deadline_is_asked_again_from_the_first_missin
         assert query(client, "m")["scores"] == {"7": {"0": 4 * BLOCK}}
 
 
+@pytest.mark.process
 def test_an_answer_that_breaks_off_is_asked_for_again_from_the_first_batch_still_missing(
     context: zmq.Context
 ) -> None:
@@ -215,6 +221,8 @@ def rejected_metrics(client: httpx.Client) -> dict[str, float]:
     return values
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_listener_counters_are_the_same_with_and_without_nats(context: zmq.Context, tmp_path: Path) -> None:
     with indexers(1) as alone, indexers(2, tmp_path) as replicas, \
             EnginePublisher(WireFormat.VLLM, context=context) as engine:
@@ -261,6 +269,7 @@ def waited_out(deadline: ReplayDeadline) -> int:
     return slices
 
 
+@pytest.mark.unit
 def test_an_answer_waiting_is_read_even_past_the_deadline() -> None:
     deadline = ReplayDeadline(REPLAY_TIMEOUT_SECS)
     waited_out(deadline)
@@ -268,6 +277,7 @@ def test_an_answer_waiting_is_read_even_past_the_deadline() -> None:
     assert deadline.next_wait(answer_waiting=True) == 0.0
 
 
+@pytest.mark.unit
 def test_the_replay_deadline_runs_from_the_last_answer() -> None:
     deadline = ReplayDeadline(REPLAY_TIMEOUT_SECS)
     deadline.waited(REPLAY_WAIT_SLICE_SECS, REPLAY_WAIT_SLICE_SECS)
@@ -275,6 +285,7 @@ def test_the_replay_deadline_runs_from_the_last_answer() -> None:
     assert waited_out(deadline) == round(REPLAY_TIMEOUT_SECS / REPLAY_WAIT_SLICE_SECS)
 
 
+@pytest.mark.unit
 def test_a_process_stopped_in_a_wait_keeps_its_deadline() -> None:
     deadline = ReplayDeadline(REPLAY_TIMEOUT_SECS)
     wait = deadline.next_wait(answer_waiting=False)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import zmq
 from support.fake_engine import GROW, SHRINK, FakeEngine, Workload, events_document
 from support.indexer_differential import (
@@ -38,6 +39,8 @@ from support.nats_support import NatsServer
 from support.reference_server import ServerURL, running_server
 
 from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
+
+pytestmark = [pytest.mark.process, pytest.mark.nats]
 
 CONVERGE_SECS = 30.0
 QUERIES = 60

@@ -23,6 +23,8 @@ from dynamo_lite.indexer.nats_replica import StreamReplica, StreamSettings
 from dynamo_lite.indexer.replication import Batch, Register, Reset, Routed, Unregister
 from dynamo_lite.kv_publishers import Stored, WireFormat, encode_batch
 
+pytestmark = pytest.mark.unit
+
 MODEL = "m"
 BLOCK = 4
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from support.schema_support import documented_routes, load, served_routes
@@ -11,6 +12,8 @@ from dynamo_lite.hashing import local_block_hashes
 from dynamo_lite.indexer.app import create_app
 from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
+
+pytestmark = pytest.mark.unit
 
 
 def seeded_app():

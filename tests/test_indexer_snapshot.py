@@ -45,6 +45,7 @@ def sample_indexer() -> Indexer:
     return indexer
 
 
+@pytest.mark.unit
 def test_round_trip_restores_every_partition_and_answer(tmp_path: Path) -> None:
     original = sample_indexer()
     path = tmp_path / "index.json"
@@ -64,10 +65,12 @@ def test_round_trip_restores_every_partition_and_answer(tmp_path: Path) -> None:
     assert restored.block_size("idle", "default") == 32
 
 
+@pytest.mark.unit
 def test_missing_snapshot_means_empty_index(tmp_path: Path) -> None:
     assert snapshot.load(Indexer(), tmp_path / "absent.json") is None
 
 
+@pytest.mark.unit
 def test_failed_write_keeps_the_previous_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "index.json"
     snapshot.write_atomically(path, b'{"old": 1}')
@@ -82,6 +85,7 @@ def test_failed_write_keeps_the_previous_snapshot(tmp_path: Path, monkeypatch: p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json"]  # no temp file left
 
 
+@pytest.mark.unit
 def test_temp_files_of_a_killed_writer_are_removed_at_start_up(tmp_path: Path) -> None:
     path = tmp_path / "index.json"
     (tmp_path / ".index.json.abc123.tmp").write_bytes(b'{"half')
@@ -92,6 +96,7 @@ def test_temp_files_of_a_killed_writer_are_removed_at_start_up(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "other.tmp"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("content", [b'{"llama:default": {"block_size": 16, "ev', b'["not", "a", "dump"]', b"\xff\xfe"])
 def test_bad_snapshot_stops_start_up(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "index.json"
@@ -102,6 +107,7 @@ def test_bad_snapshot_stops_start_up(tmp_path: Path, content: bytes) -> None:
     assert path.read_bytes() == content  # left for the operator to inspect
 
 
+@pytest.mark.unit
 def test_bad_snapshot_is_moved_aside_when_asked(tmp_path: Path) -> None:
     path = tmp_path / "index.json"
     path.write_bytes(b"{")
@@ -112,6 +118,7 @@ def test_bad_snapshot_is_moved_aside_when_asked(tmp_path: Path) -> None:
     assert orjson.loads(path.read_bytes()) == {}  # the final snapshot at shutdown
 
 
+@pytest.mark.unit
 def test_shutdown_writes_the_final_snapshot_in_process(tmp_path: Path) -> None:
     path = tmp_path / "index.json"
     with TestClient(create_app(IndexerConfig(snapshot=str(path), snapshot_interval_secs=3600))) as client:
@@ -175,6 +182,7 @@ class Publisher(threading.Thread):
                 self.acknowledged.update(blocks)
 
 
+@pytest.mark.process
 def test_sigkill_under_load_always_restarts_from_a_valid_snapshot(tmp_path: Path) -> None:
     path = tmp_path / "index.json"
     hashes = itertools.count(1)
@@ -207,6 +215,7 @@ def test_sigkill_under_load_always_restarts_from_a_valid_snapshot(tmp_path: Path
     assert loaded
 
 
+@pytest.mark.process
 def test_sigterm_writes_everything_acknowledged(tmp_path: Path) -> None:
     path = tmp_path / "index.json"
     process, base_url = start(path, "--snapshot-interval-secs", "3600")
@@ -231,6 +240,7 @@ def test_sigterm_writes_everything_acknowledged(tmp_path: Path) -> None:
     assert held == publisher.acknowledged
 
 
+@pytest.mark.process
 def test_bad_snapshot_makes_the_process_exit_with_a_clear_message(tmp_path: Path) -> None:
     path = tmp_path / "index.json"
     path.write_bytes(b'{"m:default": ')
@@ -241,12 +251,14 @@ def test_bad_snapshot_makes_the_process_exit_with_a_clear_message(tmp_path: Path
     assert "refusing to start" in result.stderr
 
 
+@pytest.mark.unit
 def test_missing_snapshot_directory_stops_start_up(tmp_path: Path) -> None:
     with pytest.raises(snapshot.SnapshotError, match="does not exist"):
         with TestClient(create_app(IndexerConfig(snapshot=str(tmp_path / "absent" / "index.json"), ignore_bad_snapshot=True))):
             pass
 
 
+@pytest.mark.unit
 def test_a_write_in_progress_finishes_before_the_next_one(tmp_path: Path) -> None:
     """Cancelling a periodic save (shutdown) must not let its rename land after the final one."""
     indexer = sample_indexer()

@@ -10,6 +10,8 @@ import pytest
 from dynamo_lite.indexer.nats_replica import Outcomes, SnapshotTag, StreamSettings, snapshot_due
 from dynamo_lite.indexer.replication import Applied
 
+pytestmark = pytest.mark.unit
+
 SETTINGS = StreamSettings("nats://127.0.0.1:4222", snapshot_threshold=100, snapshot_interval_secs=60)
 
 

@@ -29,6 +29,8 @@ from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.tree import Chain, MatchResult, Node, PrefixTree, Run, StoreStatus
 from dynamo_lite.integers import U64_MODULUS
 
+pytestmark = pytest.mark.unit
+
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0), (4, 2)]
 _rng = random.Random(99)
 # Content ids -> local hashes: half above 2**63 (negative as i64), one tiny, one at the edges.

@@ -27,6 +27,8 @@ from support.reference_server import ServerURL, free_port, running_server, runni
 from dynamo_lite.indexer.listeners import REPLAY_ATTEMPTS
 from dynamo_lite.kv_publishers import Cleared, DpEngine, EnginePublisher, Removed, WireFormat
 
+pytestmark = pytest.mark.process
+
 _ids = itertools.count(100)
 
 

@@ -21,7 +21,7 @@ from support.reference_server import free_port, require_reference_or_skip, runni
 from dynamo_lite.hashing import local_block_hashes, local_block_hashes_with_media, sequence_hashes, to_signed
 from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.process, pytest.mark.reference]
 
 BLOCK = 16
 TOKENS = list(range(1, 65))

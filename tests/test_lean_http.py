@@ -37,6 +37,7 @@ def slot_tracker() -> Iterator[str]:
         yield url
 
 
+@pytest.mark.process
 def test_same_answers_and_errors_as_httpx(slot_tracker: str) -> None:
     async def scenario() -> None:
         for lean in (False, True):
@@ -58,6 +59,7 @@ def test_same_answers_and_errors_as_httpx(slot_tracker: str) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 def test_many_concurrent_calls_share_a_bounded_pool(slot_tracker: str) -> None:
     async def scenario() -> None:
         client = AsyncSlotTrackerClient(slot_tracker, lean=True)
@@ -73,6 +75,7 @@ def test_many_concurrent_calls_share_a_bounded_pool(slot_tracker: str) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_no_service_is_a_connect_error() -> None:
     async def scenario() -> None:
         transport = LeanTransport(f"http://127.0.0.1:{free_port()}", timeout=2)
@@ -97,6 +100,7 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
     return head + await reader.readexactly(length)
 
 
+@pytest.mark.unit
 def test_one_stalled_answer_fails_only_its_own_call() -> None:
     """Twenty concurrent calls, one of which the service answers after the timeout: only that one
     times out, whichever connection the others were given."""
@@ -127,6 +131,7 @@ def test_one_stalled_answer_fails_only_its_own_call() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_a_lifecycle_call_is_never_applied_twice_after_a_lost_connection() -> None:
     """The service applies the call, then the connection drops before the answer: an `/add` (not
     safe to repeat) fails with a TransportError and is not sent again; a `/free` (safe) is sent
@@ -169,6 +174,7 @@ EXTRA_FIELD = (b'[{"worker_id": 1, "dp_rank": 0, "potential_prefill_tokens": 0, 
                b'"active_requests": 0, "a_field_of_the_next_release": {"x": 1}}]')
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("lean", [True, False])
 def test_answers_that_do_not_read_are_service_call_errors_and_extra_fields_are_ignored(lean: bool) -> None:
     async def scenario() -> None:
@@ -213,6 +219,7 @@ def test_answers_that_do_not_read_are_service_call_errors_and_extra_fields_are_i
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_an_answer_larger_than_the_limit_is_refused() -> None:
     async def scenario() -> None:
         big = b"[" + b"0," * 600_000 + b"0]"
@@ -233,6 +240,7 @@ def test_an_answer_larger_than_the_limit_is_refused() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_an_idle_connection_closed_by_the_service_is_replaced() -> None:
     async def scenario() -> None:
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -253,6 +261,7 @@ def test_an_idle_connection_closed_by_the_service_is_replaced() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_close_fails_waiting_calls_and_leaves_no_task() -> None:
     async def scenario() -> None:
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

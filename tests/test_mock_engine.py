@@ -15,6 +15,8 @@ from support.reference_server import ServerURL, free_port, running_service
 
 from dynamo_lite.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.process
+
 BLOCK = 16
 CONVERSATION = [
     {"role": "system", "content": "You are a router's test engine. Answer briefly and never mind the filler."},

@@ -6,11 +6,14 @@ from __future__ import annotations
 import hashlib
 import pickle
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamo_lite.kv_publishers import Cleared, Removed, Stored
 from dynamo_lite.mock_engine.cache import BlockHasher, CacheFull, PrefixCache, external_hash, none_hash
+
+pytestmark = pytest.mark.unit
 
 
 def replay(events, held: set[int]) -> None:

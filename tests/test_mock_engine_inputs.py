@@ -17,6 +17,8 @@ from dynamo_lite.mock_engine.engine import EngineConfig, KvEventsConfig
 from dynamo_lite.timing import TimingModel
 from dynamo_lite.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.unit
+
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/completions/render", "/v1/chat/completions/render",
           "/tokenize"]
 

@@ -28,6 +28,7 @@ from dynamo_lite.timing import TimingModel
 # --- parameters -------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_kv_transfer_config_takes_vllms_json() -> None:
     config = KvTransferConfig.parse('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
     assert (config.kv_connector, config.kv_role) == ("NixlConnector", "kv_both")
@@ -38,6 +39,7 @@ def test_kv_transfer_config_takes_vllms_json() -> None:
     assert (given.kv_role, given.engine_id) == ("kv_producer", "p1")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("text", "message"), [
     ("not json", "not JSON"),
     ("[]", "JSON object"),
@@ -57,6 +59,7 @@ REMOTE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_id
           "tp_size": 1}
 
 
+@pytest.mark.unit
 def test_a_prefill_answer_has_the_nixl_connectors_params_and_a_decode_request_reads_them() -> None:
     params = prefill_answer_params([4, 5], "p1", "cmpl-a-1", "10.0.0.7", 8000)
     assert params == REMOTE
@@ -67,6 +70,7 @@ def test_a_prefill_answer_has_the_nixl_connectors_params_and_a_decode_request_re
     assert RemoteBlocks([1], "p", "r", "::1", 9).url == "http://[::1]:9/kv_transfer/read"
 
 
+@pytest.mark.unit
 def test_which_requests_are_prefills_and_which_read_remote_blocks() -> None:
     assert wants_remote_decode(prefill_params())
     assert not wants_remote_decode(None) and not wants_remote_decode({}) and not wants_remote_decode(REMOTE)
@@ -82,6 +86,7 @@ def test_which_requests_are_prefills_and_which_read_remote_blocks() -> None:
     assert "strings" in str(remote_blocks({**REMOTE, "remote_engine_id": 3}))
 
 
+@pytest.mark.unit
 def test_transfer_time_is_blocks_times_block_bytes_over_the_bandwidth() -> None:
     model = TransferModel(kv_bytes_per_token=131_072, bandwidth_gbps=200.0, hold_secs=480.0)
     assert model.bytes_per_block(16) == 2 * 1024 * 1024
@@ -107,6 +112,7 @@ def _run(sched: Scheduler, request: EngineRequest) -> None:
         sched.finish(step, now)
 
 
+@pytest.mark.unit
 def test_a_prefill_for_a_remote_decode_holds_its_blocks_until_they_are_read() -> None:
     cache = PrefixCache(64, BLOCK, hash_seed="0")
     sched = _scheduler(cache)
@@ -125,6 +131,7 @@ def test_a_prefill_for_a_remote_decode_holds_its_blocks_until_they_are_read() ->
     assert plain.held_block_ids is None and cache.used_blocks == 0
 
 
+@pytest.mark.unit
 def test_a_decode_request_with_read_blocks_computes_only_its_last_prompt_token() -> None:
     cache = PrefixCache(64, BLOCK, hash_seed="0")
     sched = _scheduler(cache)
@@ -164,6 +171,7 @@ def _decode(url: str, prompt: list[int], params: dict, max_tokens: int = 4) -> l
         return [line for line in answer.iter_lines() if line.startswith("data: {")]
 
 
+@pytest.mark.process
 def test_a_prompt_prefilled_on_one_engine_is_decoded_on_the_other() -> None:
     slow_prefill = ("--prefill-secs-per-token", "0.05")  # 200 tokens: 10 s, 0.2 s at speedup 50
     with pd_engine("prefill-1", *slow_prefill) as (prefill, _), \
@@ -199,6 +207,7 @@ def test_a_prompt_prefilled_on_one_engine_is_decoded_on_the_other() -> None:
         assert decode_ttft < prefill_ttft / 3, (decode_ttft, prefill_ttft)
 
 
+@pytest.mark.process
 def test_a_decode_request_that_cannot_read_the_blocks_prefills_locally() -> None:
     with pd_engine("prefill-2") as (prefill, _), pd_engine("decode-2") as (decode, _):
         params = _prefill(prefill, PROMPT)["kv_transfer_params"]
@@ -217,6 +226,7 @@ def test_a_decode_request_that_cannot_read_the_blocks_prefills_locally() -> None
         assert metric(decode, "vllm:nixl_num_failed_transfers_total") == 3
 
 
+@pytest.mark.process
 def test_blocks_nobody_reads_are_freed_after_the_hold_time() -> None:
     with pd_engine("prefill-3", "--kv-transfer-hold-secs", "10") as (prefill, _):  # 0.2 s at speedup 50
         _prefill(prefill, PROMPT)
@@ -228,6 +238,7 @@ def test_blocks_nobody_reads_are_freed_after_the_hold_time() -> None:
         assert metric(prefill, "vllm:kv_cache_usage_perc") == 0
 
 
+@pytest.mark.process
 def test_a_client_that_hangs_up_before_a_whole_answer_aborts_it() -> None:
     with pd_engine("engine-4", "--decode-step-secs", "0.5") as (url, _):  # 10 ms a token
         body = {"model": "mock", "prompt": "hang up on me", "max_tokens": 5000}

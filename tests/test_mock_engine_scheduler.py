@@ -9,6 +9,8 @@ from dynamo_lite.mock_engine.cache import PrefixCache
 from dynamo_lite.mock_engine.scheduler import FINISHED_LENGTH, EngineRequest, Scheduler
 from dynamo_lite.timing import TimingModel
 
+pytestmark = pytest.mark.unit
+
 TIMING = TimingModel(prefill_secs_per_token=0.001, decode_step_secs=0.01, decode_secs_per_running=0.002)
 
 

@@ -16,6 +16,8 @@ from support.nats_support import NatsServer
 
 from dynamo_lite.nats_connection import connect, flush
 
+pytestmark = [pytest.mark.process, pytest.mark.nats]
+
 
 async def _until_stopped(pid: int) -> None:
     """SIGSTOP takes effect as each of the process's threads next enters the kernel: a thread

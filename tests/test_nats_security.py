@@ -56,6 +56,7 @@ def _eventually(check, what: str) -> None:  # type: ignore[no-untyped-def]
         time.sleep(0.1)
 
 
+@pytest.mark.process
 def test_security_options_for_nats_py(tmp_path: Path) -> None:
     assert NatsSecurity().connect_options() == {}
     authority = Authority.create(tmp_path)
@@ -64,6 +65,8 @@ def test_security_options_for_nats_py(tmp_path: Path) -> None:
     assert options["user_credentials"] == "/creds" and options["tls"].verify_mode.name == "CERT_REQUIRED"
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_slot_tracker_replicas_on_an_authenticated_tls_only_server(tmp_path: Path, authority: Authority) -> None:
     server = secured_nats(tmp_path / "nats", authority, 'user: replica, password: "s3cret"')
     server.start()
@@ -87,6 +90,8 @@ def test_slot_tracker_replicas_on_an_authenticated_tls_only_server(tmp_path: Pat
         server.stop()
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_indexer_replicas_on_a_token_and_tls_only_server(tmp_path: Path, authority: Authority) -> None:
     server = secured_nats(tmp_path / "nats", authority, 'token: "t0ken"')
     server.start()
@@ -102,6 +107,8 @@ def test_indexer_replicas_on_a_token_and_tls_only_server(tmp_path: Path, authori
         server.stop()
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_replicas_with_a_credentials_file_on_a_jwt_server(tmp_path: Path, authority: Authority) -> None:
     """`--nats-creds` with a real decentralized-JWT set-up (operator, accounts, a user's JWT and
     NKey seed; support.nats_jwt makes them as nsc would) on a TLS-only server: slot tracker

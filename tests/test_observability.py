@@ -91,6 +91,7 @@ def events(*items: dict) -> dict:
 # --- /metrics: requests -------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("create_app", [create_tracker_app, create_indexer_app])
 def test_metric_names_follow_the_conventions(create_app) -> None:
     with TestClient(create_app()) as client:
@@ -109,6 +110,7 @@ def test_metric_names_follow_the_conventions(create_app) -> None:
     assert latency.type == "histogram"
 
 
+@pytest.mark.unit
 def test_request_counts_and_latencies_move_per_route_and_status(tracker_client: TestClient) -> None:
     before = scrape(tracker_client)
     register = {"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}
@@ -138,6 +140,7 @@ def test_request_counts_and_latencies_move_per_route_and_status(tracker_client: 
         assert counts == sorted(counts)  # cumulative
 
 
+@pytest.mark.unit
 def test_unknown_paths_and_wrong_methods_are_recorded(indexer_client: TestClient) -> None:
     assert indexer_client.get("/no/such/path").status_code == 404
     assert indexer_client.get("/another?x=1").status_code == 404
@@ -152,6 +155,7 @@ def test_unknown_paths_and_wrong_methods_are_recorded(indexer_client: TestClient
     assert routes == {"unmatched", "/events"}
 
 
+@pytest.mark.unit
 def test_a_client_that_leaves_before_its_body_is_recorded_as_499() -> None:
     app = create_tracker_app()
 
@@ -171,6 +175,7 @@ def test_a_client_that_leaves_before_its_body_is_recorded_as_499() -> None:
 # --- /metrics: service state --------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_slot_tracker_gauges_follow_its_state() -> None:
     now = [0.0]
     tracker = SlotTracker(request_ttl_secs=10, clock=lambda: now[0])
@@ -212,6 +217,7 @@ def test_slot_tracker_gauges_follow_its_state() -> None:
         assert gauges["workers"] == 3
 
 
+@pytest.mark.unit
 def test_indexer_gauges_and_event_counters_follow_its_state(indexer_client: TestClient) -> None:
     client = indexer_client
     post(client, "/register", {"instance_id": 9, "model_name": "llama", "block_size": 16, "dp_rank": 1})
@@ -251,6 +257,7 @@ def test_indexer_gauges_and_event_counters_follow_its_state(indexer_client: Test
     assert value(samples, "dynamo_lite_indexer_events_total", outcome="applied") == 5  # totals stay
 
 
+@pytest.mark.unit
 def test_evictions_are_counted() -> None:
     indexer = Indexer(max_blocks=2)
     with TestClient(create_indexer_app(indexer=indexer)) as client:
@@ -260,6 +267,7 @@ def test_evictions_are_counted() -> None:
     assert value(samples, "dynamo_lite_indexer_evicted_blocks_total") == indexer.evicted_blocks_total >= 3
 
 
+@pytest.mark.unit
 def test_recovered_dumps_are_not_counted_as_events() -> None:
     source = Indexer()
     source.apply_events(parse_events_document(events(stored(1, 0, [1, 2], LOCAL[:2]))))
@@ -274,6 +282,7 @@ def test_recovered_dumps_are_not_counted_as_events() -> None:
 # --- /ready -------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_ready_is_503_until_start_up_has_finished_and_from_shutdown_on() -> None:
     async def scenario() -> list[tuple[str, int]]:
         release = asyncio.Event()
@@ -318,6 +327,7 @@ def test_ready_is_503_until_start_up_has_finished_and_from_shutdown_on() -> None
     assert asyncio.run(scenario()) == [("/ready", 503), ("/health", 200), ("/ready", 200), ("/ready", 503)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("create_app", [create_tracker_app, create_indexer_app])
 def test_ready_answers_json(create_app) -> None:
     app = create_app()
@@ -350,6 +360,7 @@ def access_lines() -> Iterator[io.StringIO]:
         access_logger.propagate = propagate
 
 
+@pytest.mark.unit
 def test_access_log_lines_are_json_with_the_trace_id(access_lines: io.StringIO) -> None:
     app = create_tracker_app()
     app.access_log = AccessLog("X-Request-Id")
@@ -366,12 +377,14 @@ def test_access_log_lines_are_json_with_the_trace_id(access_lines: io.StringIO) 
         assert line["message"].startswith("testclient:")
 
 
+@pytest.mark.unit
 def test_no_access_log_unless_enabled(access_lines: io.StringIO) -> None:
     with TestClient(create_indexer_app()) as client:
         client.get("/health", headers={"x-trace-id": "t"})
     assert access_lines.getvalue() == ""
 
 
+@pytest.mark.unit
 def test_json_formatter_keeps_exceptions_on_one_line() -> None:
     try:
         raise ValueError("boom\nsecond line")
@@ -392,6 +405,7 @@ def parser():
     return parser
 
 
+@pytest.mark.unit
 def test_every_flag_can_come_from_the_environment() -> None:
     environ = {"DYNAMO_LITE_PORT": "9001", "DYNAMO_LITE_HOST": "127.0.0.1", "DYNAMO_LITE_LOG_FORMAT": "json",
                "DYNAMO_LITE_ACCESS_LOG": "true", "DYNAMO_LITE_TRACE_ID_HEADER": "x-request-id",
@@ -403,6 +417,7 @@ def test_every_flag_can_come_from_the_environment() -> None:
     assert (defaults.port, defaults.access_log, defaults.log_format) == (8000, False, "text")
 
 
+@pytest.mark.unit
 def test_the_command_line_wins_over_the_environment() -> None:
     args = cli.parse_args(parser(), ["--port", "9002", "--log-format", "text"],
                           {"DYNAMO_LITE_PORT": "9001", "DYNAMO_LITE_LOG_FORMAT": "json"})
@@ -412,6 +427,7 @@ def test_the_command_line_wins_over_the_environment() -> None:
     assert cli.parse_args(parser(), ["--no-access-log"], on_by_environment).access_log is False
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, text, message", [
     ("DYNAMO_LITE_PORT", "70000", "outside 0..65535"),
     ("DYNAMO_LITE_PORT", "eighty", "is not a TCP port"),
@@ -437,6 +453,7 @@ SERVICES = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("service", sorted(SERVICES))
 def test_help_names_the_environment_variables(service: str) -> None:
     module, own_variable, _ = SERVICES[service]
@@ -448,6 +465,7 @@ def test_help_names_the_environment_variables(service: str) -> None:
         assert variable in result.stdout
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("service", sorted(SERVICES))
 def test_a_bad_environment_value_stops_the_service(service: str) -> None:
     module, _, _ = SERVICES[service]
@@ -457,6 +475,7 @@ def test_a_bad_environment_value_stops_the_service(service: str) -> None:
     assert "environment variable DYNAMO_LITE_LOG_FORMAT='yaml'" in result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("service", sorted(SERVICES))
 def test_service_configured_by_environment_logs_json(service: str) -> None:
     module, _, workers_metric = SERVICES[service]

@@ -19,6 +19,7 @@ from dynamo_lite.pd_sidecar.app import forwarded, prefill_body, prefiller
 # --- the pure parts -------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_prefill_request_is_one_unstreamed_token_with_the_connectors_params() -> None:
     request = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True},
                "max_tokens": 300, "max_completion_tokens": 300, "temperature": 0.5}
@@ -32,6 +33,7 @@ def test_the_prefill_request_is_one_unstreamed_token_with_the_connectors_params(
     assert "max_completion_tokens" not in prefill_body({"prompt": "x"})
 
 
+@pytest.mark.unit
 def test_the_prefiller_header_names_the_first_host_port() -> None:
     assert prefiller([]) is None
     assert prefiller([(b"x-prefiller-host-port", b"10.0.0.1:8000")]) == "10.0.0.1:8000"
@@ -39,6 +41,7 @@ def test_the_prefiller_header_names_the_first_host_port() -> None:
     assert prefiller([(b"x-prefiller-host-port", b""), (b"x-prefiller-host-port", b"h:1")]) == "h:1"
 
 
+@pytest.mark.unit
 def test_forwarded_headers_drop_hop_by_hop_ones_and_carry_the_request_id() -> None:
     headers = [(b"host", b"sidecar"), (b"content-type", b"application/json"), (b"connection", b"keep-alive"),
                (b"content-length", b"12"), (b"authorization", b"Bearer k"), (b"x-request-id", b"old"),
@@ -78,6 +81,7 @@ def completion(proxy: str, prompt: list[int], headers: dict[str, str], **fields)
     return httpx.post(proxy + "/v1/completions", json=body, headers=headers, timeout=20)
 
 
+@pytest.mark.process
 def test_with_the_header_the_prompt_is_prefilled_there_and_decoded_here(pair) -> None:
     prefill, decode, replay, proxy = pair
     prompt = list(range(3000, 3200))  # 12 full blocks and 8 tokens
@@ -116,6 +120,7 @@ def test_with_the_header_the_prompt_is_prefilled_there_and_decoded_here(pair) ->
     assert metric(decode, "dynamo_lite_mock_engine_remote_prefill_requests_total") == 2
 
 
+@pytest.mark.process
 def test_without_the_header_requests_are_proxied_as_they_came(pair) -> None:
     prefill, decode, _, proxy = pair
     before = metric(prefill, "vllm:prefix_cache_queries_total")
@@ -132,6 +137,7 @@ def test_without_the_header_requests_are_proxied_as_they_came(pair) -> None:
     assert httpx.get(proxy + "/health", timeout=5).status_code == 200
 
 
+@pytest.mark.process
 def test_an_unreachable_prefill_engine_falls_back_to_a_local_prefill(pair) -> None:
     _, decode, _, proxy = pair
     queries = metric(decode, "vllm:prefix_cache_queries_total")
@@ -143,6 +149,7 @@ def test_an_unreachable_prefill_engine_falls_back_to_a_local_prefill(pair) -> No
     assert metric(decode, "dynamo_lite_mock_engine_remote_prefill_fallbacks_total") == 0
 
 
+@pytest.mark.process
 def test_a_streaming_client_that_hangs_up_cancels_the_decode_request(pair) -> None:
     prefill, decode, _, proxy = pair
     body = {"model": "mock", "prompt": list(range(3700, 3800)), "max_tokens": 5000, "stream": True}
@@ -164,6 +171,7 @@ def wait_for(predicate, what: str, timeout: float = 5.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.process
 def test_a_slow_prefill_times_out_and_a_client_gone_cancels_the_prefill() -> None:
     with pd_engine("prefill-slow", *SLOW_PREFILL) as (prefill, _), pd_engine("decode-b") as (decode, _), \
             sidecar(decode, "--prefill-timeout-secs", "0.3") as hasty, sidecar(decode) as patient:
@@ -189,6 +197,7 @@ def test_a_slow_prefill_times_out_and_a_client_gone_cancels_the_prefill() -> Non
         assert metric(decode, "vllm:prefix_cache_queries_total") == queries
 
 
+@pytest.mark.process
 def test_a_prefill_engine_killed_mid_request_falls_back() -> None:
     with pd_engine("decode-c") as (decode, _), sidecar(decode) as proxy:
         with pd_engine("prefill-doomed", *SLOW_PREFILL) as (prefill, _):

@@ -141,12 +141,14 @@ def run_block(block: str, urls: dict[str, str], tmp_path: Path) -> int:
     return checked
 
 
+@pytest.mark.process
 def test_slot_tracker_routes_block(slot_tracker: str, tmp_path: Path) -> None:
     page, block = block_starting_with("B=http://localhost:8091")
     assert page.name == "slot-tracker.md"
     assert run_block(block, {"B": slot_tracker}, tmp_path) >= 8
 
 
+@pytest.mark.process
 def test_indexer_routes_block(indexer: str, tmp_path: Path) -> None:
     page, block = block_starting_with("I=http://localhost:8090")
     assert page.name == "indexer.md"
@@ -154,6 +156,7 @@ def test_indexer_routes_block(indexer: str, tmp_path: Path) -> None:
     assert_left_clean(slot_tracker=None, indexer=indexer)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("page", ["README.md", "getting-started.md"])
 def test_the_routing_walkthrough_answers_as_written_and_leaves_the_services_as_they_were(
         page: str, slot_tracker: str, indexer: str, tmp_path: Path) -> None:
@@ -164,6 +167,7 @@ def test_the_routing_walkthrough_answers_as_written_and_leaves_the_services_as_t
     assert_left_clean(slot_tracker, indexer)
 
 
+@pytest.mark.unit
 def test_no_runnable_block_talks_to_an_imagined_host() -> None:
     for page, block in [*blocks("sh"), *blocks("bash")]:
         assert "other-indexer" not in block, f"{page}: a block a reader would paste names an imagined host"
@@ -176,6 +180,7 @@ def assert_left_clean(slot_tracker: str | None, indexer: str | None) -> None:
         assert httpx.get(indexer + "/workers").json() == []
 
 
+@pytest.mark.process
 def test_the_readme_set_up_starts_both_services_for_the_walkthrough_and_the_examples(tmp_path: Path) -> None:
     """A newcomer's first minutes: the README's first set-up command (its install part aside: the
     project is installed) starts both services on their default ports; the walkthrough, then an
@@ -208,6 +213,7 @@ def test_the_readme_set_up_starts_both_services_for_the_walkthrough_and_the_exam
     assert process.returncode == 0
 
 
+@pytest.mark.process
 def test_the_readme_set_up_on_a_taken_port_says_so_in_one_line_and_starts_nothing(tmp_path: Path) -> None:
     """A service of an earlier run still holds 8091: the set-up command ends at once with one line
     naming the port, status 1, before it starts anything (its readiness probe would otherwise be
@@ -234,6 +240,7 @@ def test_the_readme_set_up_on_a_taken_port_says_so_in_one_line_and_starts_nothin
         assert list(scratch.iterdir()) == []
 
 
+@pytest.mark.unit
 def test_the_readme_shows_the_design_cards_command_for_one_service() -> None:
     """The design card starts a service as `python -m dynamo_lite.slot_tracker --port 8091`: a user
     looking for how to start one service alone finds that command in the README."""

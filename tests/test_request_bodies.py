@@ -20,6 +20,8 @@ from dynamo_lite.indexer import app as indexer_app
 from dynamo_lite.slot_tracker import app as slot_tracker_app
 from dynamo_lite.validation import RequestBody, decode_json, decoder, ordered_reader
 
+pytestmark = pytest.mark.unit
+
 REQUEST_TYPES = [
     slot_tracker_app.RegisterRequest, slot_tracker_app.UnregisterRequest, slot_tracker_app.AddRequest,
     slot_tracker_app.RequestIdRequest, slot_tracker_app.OutputBlocksRequest, slot_tracker_app.PotentialLoadsRequest,

@@ -15,6 +15,8 @@ from dynamo_lite.routing import NoWorkerAvailable, RouterConfig
 from dynamo_lite.scheduling import AllBusy, RankCost, RankState, Scheduler, SchedulingRequest, Selection
 from dynamo_lite.scheduling.parts import pick_softmax
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 16
 
 

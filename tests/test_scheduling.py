@@ -35,6 +35,8 @@ from dynamo_lite.scheduling.parts import (
 )
 from dynamo_lite.timing import TimingModel
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 16
 TIMING = TimingModel(prefill_secs_per_token=1e-4, decode_step_secs=4e-3, decode_secs_per_running=1e-4)
 

@@ -23,6 +23,8 @@ from dynamo_lite.select_service.protocols import (
     WorkerRequest,
 )
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 4
 
 

@@ -30,6 +30,7 @@ def shared() -> Iterator[tuple[ServerURL, ServerURL, ServerURL, ServerURL, list[
         yield tracker, indexer, first, second, engines
 
 
+@pytest.mark.process
 def test_two_selectors_share_the_cache_and_the_load(
         shared: tuple[ServerURL, ServerURL, ServerURL, ServerURL, list[dict[str, Any]]]) -> None:
     tracker, indexer, first, second, engines = shared
@@ -129,6 +130,7 @@ def test_two_selectors_share_the_cache_and_the_load(
         assert sorted(w["worker_id"] for w in client.get(f"{tracker}/workers").json()) == [1, 2]
 
 
+@pytest.mark.process
 def test_an_unreachable_service_is_a_503_and_nothing_half_registered_is_kept() -> None:
     nowhere = f"http://127.0.0.1:{free_port()}"
     with ExitStack() as stack:
@@ -144,6 +146,7 @@ def test_an_unreachable_service_is_a_503_and_nothing_half_registered_is_kept() -
         assert httpx.post(f"{selector}/select", json={"model_name": MODEL, "token_ids": [1] * 40}).status_code == 503
 
 
+@pytest.mark.process
 def test_only_both_urls_start_remote_mode() -> None:
     import subprocess
     import sys
@@ -154,6 +157,7 @@ def test_only_both_urls_start_remote_mode() -> None:
         assert done.returncode == 2 and "error:" in done.stderr, (flags, done.stderr)
 
 
+@pytest.mark.unit
 def test_the_indexer_s_answer_reads_back_per_rank_and_tier() -> None:
     # Worker 1: ranks 0 and 1, rank 1 longest on device, 2 more blocks on host, 1 on disk.
     answer = OverlapScores({(1, 0): 16, (1, 1): 48, (2, 0): 32}, {

@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import httpx
+import pytest
 from support.nats_support import NatsServer
 from support.reference_server import ServerURL, running_service
 from support.select_support import BLOCK, MODEL, engine, wait_until
@@ -24,6 +25,8 @@ def catalog(selector: ServerURL) -> list[int]:
     return [record["worker_id"] for record in httpx.get(f"{selector}/workers").json()]
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_replicas_share_the_catalog_and_serve_each_other_s_bookings(nats_server: NatsServer) -> None:
     with ExitStack() as stack:
         engines = [engine(stack) for _ in range(2)]
@@ -82,6 +85,7 @@ def test_replicas_share_the_catalog_and_serve_each_other_s_bookings(nats_server:
         assert [w["worker_id"] for w in client.get(f"{tracker}/workers").json()] == [2]
 
 
+@pytest.mark.process
 def test_replicas_need_remote_mode() -> None:
     import subprocess
     import sys
@@ -90,6 +94,8 @@ def test_replicas_need_remote_mode() -> None:
     assert done.returncode == 2 and "--slot-tracker" in done.stderr
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_a_catalog_change_nats_does_not_take_is_a_503_and_goes_through_when_sent_again(nats_server: NatsServer) -> None:
     with ExitStack() as stack:
         tracker = stack.enter_context(running_service("slot_tracker"))

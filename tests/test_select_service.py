@@ -19,6 +19,8 @@ import pytest
 from support.reference_server import ServerURL, running_service
 from support.select_support import BLOCK, MODEL, engine, wait_until
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[ServerURL, list[dict[str, Any]]]]:

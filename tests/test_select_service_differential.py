@@ -24,7 +24,7 @@ from support.reference_server import free_port, require_reference_or_skip, runni
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed_list
 from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.process, pytest.mark.reference]
 
 BLOCK = 4
 TOKENS = list(range(1, 17))  # 4 blocks

@@ -16,6 +16,8 @@ import httpx
 import pytest
 from support.reference_server import running_service
 
+pytestmark = pytest.mark.process
+
 TESTS = Path(__file__).resolve().parent
 KEY = "served-documents-key"
 

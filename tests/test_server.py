@@ -14,6 +14,8 @@ import pytest
 from support.raw_http import Connection, get, post
 from support.reference_server import ServerURL, running_service
 
+pytestmark = pytest.mark.process
+
 REGISTER = orjson.dumps({"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 2})
 
 

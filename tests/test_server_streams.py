@@ -27,6 +27,8 @@ from dynamo_lite import http
 from dynamo_lite.metrics import DISCONNECTED
 from dynamo_lite.server import ConnectionLimits, HttpConnection, HttpServer
 
+pytestmark = pytest.mark.unit
+
 SSE = b"text/event-stream"
 
 

@@ -18,6 +18,8 @@ from support.server_thread import ServerThread, body, make_app
 
 from dynamo_lite import http
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def server() -> Iterator[ServerThread]:

@@ -18,6 +18,8 @@ from support.server_thread import ServerThread
 from dynamo_lite import http
 from dynamo_lite.server import ConnectionLimits, HttpConnection, HttpServer
 
+pytestmark = pytest.mark.unit
+
 
 class CountingTransport:
     """The connection's real transport, with its writes recorded."""

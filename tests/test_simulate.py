@@ -58,6 +58,7 @@ def data(event: dict[str, Any] | None) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.unit
 def test_first_admission_misses_and_publishes_one_chained_stored_event() -> None:
     rank = RankCache(3, 1, capacity=8)
     local, seq = path(11, 12, 13)
@@ -75,6 +76,7 @@ def test_first_admission_misses_and_publishes_one_chained_stored_event() -> None
     assert rank.used == rank.pinned == 3
 
 
+@pytest.mark.unit
 def test_a_shared_prefix_hits_and_the_new_tail_is_stored_under_it() -> None:
     rank = RankCache(1, 0, capacity=8)
     first = path(1, 2, 3)
@@ -89,6 +91,7 @@ def test_a_shared_prefix_hits_and_the_new_tail_is_stored_under_it() -> None:
     assert (rank.hit_blocks, rank.prompt_blocks) == (2, 7)
 
 
+@pytest.mark.unit
 def test_eviction_is_least_recent_leaf_first_and_emits_matching_removed_event() -> None:
     rank = RankCache(1, 0, capacity=4)
     a = path(1, 2, 3)  # a1 a2 a3
@@ -106,6 +109,7 @@ def test_eviction_is_least_recent_leaf_first_and_emits_matching_removed_event() 
     assert rank.cached_hashes() == {a[1][0], *c[1]}
 
 
+@pytest.mark.unit
 def test_pinned_blocks_are_never_evicted_and_a_request_waits_until_they_are_released() -> None:
     rank = RankCache(1, 0, capacity=4)
     running = path(1, 2, 3)
@@ -120,6 +124,7 @@ def test_pinned_blocks_are_never_evicted_and_a_request_waits_until_they_are_rele
     assert admission.evicted == (running[1][2],)  # only as much as needed, the leaf
 
 
+@pytest.mark.unit
 def test_a_cached_prefix_about_to_be_reused_does_not_count_as_evictable_room() -> None:
     rank = RankCache(1, 0, capacity=4)
     old = path(1, 2, 3)
@@ -131,6 +136,7 @@ def test_a_cached_prefix_about_to_be_reused_does_not_count_as_evictable_room() -
     assert rank.fits(path(1, 2, 8, 9)[1])
 
 
+@pytest.mark.unit
 def test_release_of_a_block_that_is_not_pinned_is_an_error() -> None:
     rank = RankCache(1, 0, capacity=4)
     prompt = path(1, 2)
@@ -140,6 +146,7 @@ def test_release_of_a_block_that_is_not_pinned_is_an_error() -> None:
         rank.release(prompt[1])
 
 
+@pytest.mark.unit
 def test_random_workload_stays_prefix_closed_and_its_events_rebuild_the_cache_in_the_indexer() -> None:
     """Random prompts from a small prefix tree, random overlapping lifetimes. After every step:
     within capacity, prefix-closed, pinned blocks present; the published events, applied to the
@@ -177,6 +184,7 @@ def test_random_workload_stays_prefix_closed_and_its_events_rebuild_the_cache_in
     assert counts == {(1, 0): ranks[0].used, (2, 0): ranks[1].used}
 
 
+@pytest.mark.unit
 def test_fleet_config_validates_and_times_prefill_and_decode() -> None:
     config = FleetConfig(workers=2, dp_size=2, prefill_tps=1000, decode_tps=50)
     assert config.rank_keys() == [(1, 0), (1, 1), (2, 0), (2, 1)]
@@ -195,6 +203,7 @@ def record(hash_ids: list[int], input_length: int | None = None, timestamp: int 
     return TraceRecord(timestamp, length, 10, tuple(hash_ids))
 
 
+@pytest.mark.unit
 def test_shared_hash_id_prefixes_give_shared_blocks_and_nothing_more() -> None:
     expander = BlockExpander(64)
     a_local, a_seq = expander.expand(record([0, 1, 2]))
@@ -206,6 +215,7 @@ def test_shared_hash_id_prefixes_give_shared_blocks_and_nothing_more() -> None:
     assert c_local[8:] == a_local[8:] and not set(c_seq) & set(a_seq)
 
 
+@pytest.mark.unit
 def test_expansion_is_dynamo_hashing_of_synthetic_tokens() -> None:
     expander = BlockExpander(16)
     local, seq = expander.expand(record([3, 8], input_length=700))
@@ -215,6 +225,7 @@ def test_expansion_is_dynamo_hashing_of_synthetic_tokens() -> None:
     assert list(seq) == sequence_hashes(local)
 
 
+@pytest.mark.unit
 def test_memoised_chains_match_a_full_recomputation() -> None:
     expander = BlockExpander(128)
     rng = random.Random(3)
@@ -224,6 +235,7 @@ def test_memoised_chains_match_a_full_recomputation() -> None:
         assert list(seq) == sequence_hashes(local)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("line", "message"),
     [
@@ -248,6 +260,7 @@ def test_bad_lines_are_rejected_with_their_location(line: str, message: str) -> 
     assert message in str(error.value)
 
 
+@pytest.mark.unit
 def test_load_trace_limit_skips_blank_lines_and_refuses_an_empty_file(tmp_path: Path) -> None:
     lines = [json.dumps({"timestamp": t, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]})
              for t in (0, 5, 9)]
@@ -259,6 +272,7 @@ def test_load_trace_limit_skips_blank_lines_and_refuses_an_empty_file(tmp_path: 
         load_trace(tmp_path / "empty.jsonl")
 
 
+@pytest.mark.unit
 def test_expand_trace_orders_by_arrival_stably_and_scales_time() -> None:
     records = [record([1], timestamp=2000), record([2], timestamp=1000), record([3], timestamp=1000)]
     requests = expand_trace(records, 64, time_scale=0.5)
@@ -275,6 +289,7 @@ def sim_request(index: int, arrival: float, *local: int, block_size: int = 64) -
     return SimRequest(index, arrival, len(local) * block_size, 10, tuple(local_hashes), tuple(seq))
 
 
+@pytest.mark.unit
 def test_the_bound_is_one_fleet_sized_lru_fed_in_arrival_order() -> None:
     config = FleetConfig(workers=2, kv_blocks=2, block_size=64)  # one LRU of 4 blocks
     requests = [
@@ -296,6 +311,7 @@ def test_the_bound_is_one_fleet_sized_lru_fed_in_arrival_order() -> None:
 # --- small pure helpers -----------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_time_weighted_load_and_distinct_blocks() -> None:
     load = RankLoad(0.0)
     load.add(0.0, [1, 2, 3])
@@ -313,12 +329,14 @@ def test_time_weighted_load_and_distinct_blocks() -> None:
     assert series.average(0.0, 0.0) == 0.0
 
 
+@pytest.mark.unit
 def test_percentile_interpolates() -> None:
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
     assert math.isnan(percentile([], 50))
 
 
+@pytest.mark.unit
 def test_round_robin_and_seeded_random_policies() -> None:
     ranks = [(2, 0), (1, 0), (1, 1)]
     request = expand_trace([record([1])], 64)[0]
@@ -331,6 +349,7 @@ def test_round_robin_and_seeded_random_policies() -> None:
     assert first == asyncio.run(picks(RandomPolicy(ranks, 5), 20)) and len(set(first)) == 3
 
 
+@pytest.mark.unit
 def test_progress_draws_only_when_enabled() -> None:
     stream = io.StringIO()
     progress = Progress("kv", stream=stream, enabled=True, interval=0)
@@ -343,6 +362,7 @@ def test_progress_draws_only_when_enabled() -> None:
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.unit
 def test_unreachable_services_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text(conversation_trace(conversations=1, turns=1)[0] + "\n")
@@ -353,6 +373,7 @@ def test_unreachable_services_are_reported(tmp_path: Path, capsys: pytest.Captur
     assert err.count("\n") == 1, err
 
 
+@pytest.mark.unit
 def test_a_prompt_larger_than_a_rank_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text(conversation_trace(conversations=1, turns=1)[0] + "\n")
@@ -386,6 +407,7 @@ def conversation_trace(conversations: int = 40, turns: int = 5, seed: int = 1) -
     return lines
 
 
+@pytest.mark.process
 def test_replay_against_both_services(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "chats.jsonl"
     trace.write_text("\n".join(conversation_trace()) + "\n")
@@ -456,6 +478,7 @@ def test_replay_against_both_services(tmp_path: Path, capsys: pytest.CaptureFixt
 # --- the bundled sample trace -----------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_default_trace_is_the_bundled_sample_and_loads() -> None:
     data_dir = resources.files("dynamo_lite.simulate") / "data"
     default = build_parser().parse_args([]).trace
@@ -471,6 +494,7 @@ def test_the_default_trace_is_the_bundled_sample_and_loads() -> None:
     assert digest in readme and "kvcache-ai/Mooncake" in readme and "Apache License 2.0" in readme
 
 
+@pytest.mark.process
 def test_simulate_without_trace_replays_the_bundled_sample(tmp_path: Path) -> None:
     python = sys.executable
     with running_service("slot_tracker") as slot_url, running_service("indexer") as indexer_url:

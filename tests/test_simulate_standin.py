@@ -13,6 +13,8 @@ from dynamo_lite.simulate import standin
 from dynamo_lite.simulate.standin import Arrival, FleetShape
 from dynamo_lite.timing import TimingModel
 
+pytestmark = pytest.mark.unit
+
 TIMING = TimingModel(2.56e-4, 6.8e-3, 0.06e-3).scaled(2.0)  # the gateway benchmark's engines
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from dynamo_lite.slot_tracker.core import SlotTracker
 
+pytestmark = pytest.mark.unit
+
 TTL = 60.0
 RATE = 20  # requests per simulated second
 LIFETIME = 3.0  # seconds from /add to /free for the requests that do get freed

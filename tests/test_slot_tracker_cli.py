@@ -16,6 +16,7 @@ from support.reference_server import free_port, wait_healthy
 COMMAND = [sys.executable, "-m", "dynamo_lite.slot_tracker"]
 
 
+@pytest.mark.process
 def test_help_lists_every_flag() -> None:
     result = subprocess.run([*COMMAND, "--help"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0
@@ -24,6 +25,7 @@ def test_help_lists_every_flag() -> None:
     assert "8091" in result.stdout
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--request-ttl-secs", "0"], ["--log-level", "loud"]])
 def test_bad_flags_exit_with_usage(argv: list[str]) -> None:
     result = subprocess.run([*COMMAND, *argv], capture_output=True, text=True, timeout=30)
@@ -31,6 +33,7 @@ def test_bad_flags_exit_with_usage(argv: list[str]) -> None:
     assert "usage:" in result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
 def test_serves_then_stops_cleanly(stop_signal: signal.Signals) -> None:
     port = free_port()
@@ -57,6 +60,7 @@ def test_serves_then_stops_cleanly(stop_signal: signal.Signals) -> None:
     assert "expired 1 stale requests" in output
 
 
+@pytest.mark.unit
 def test_default_connection_cap_keeps_a_tenth_of_the_open_files_for_everything_else() -> None:
     from dynamo_lite.cli import default_max_connections
 
@@ -66,6 +70,7 @@ def test_default_connection_cap_keeps_a_tenth_of_the_open_files_for_everything_e
     assert default_max_connections(-1) == 0  # RLIM_INFINITY: no cap
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("module", ["slot_tracker", "indexer"])
 def test_a_port_in_use_ends_with_one_error_line_and_status_3(module: str) -> None:
     with socket.socket() as taken:
@@ -80,6 +85,7 @@ def test_a_port_in_use_ends_with_one_error_line_and_status_3(module: str) -> Non
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("script", ["dynamo-lite-slot-tracker", "dynamo-lite-indexer", "dynamo-lite-epp",
                                     "dynamo-lite-mock-engine", "dynamo-lite-stack"])
 def test_the_console_scripts_help_names_the_script(script: str) -> None:

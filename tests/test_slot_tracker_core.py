@@ -15,6 +15,8 @@ from dynamo_lite.slot_tracker import core
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
+pytestmark = pytest.mark.unit
+
 
 class FakeClock:
     def __init__(self) -> None:

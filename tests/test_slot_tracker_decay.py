@@ -41,6 +41,7 @@ def tracker() -> SlotTracker:
     return t
 
 
+@pytest.mark.unit
 def test_each_block_weighs_one_at_first_and_nothing_at_the_expected_length() -> None:
     # 256 expected tokens = 16 blocks of 16: the weight falls by 1/16 per block.
     weights = [decayed_output(blocks, BLOCK, 256) for blocks in range(0, 18)]
@@ -48,12 +49,14 @@ def test_each_block_weighs_one_at_first_and_nothing_at_the_expected_length() -> 
     assert decayed_output(4, BLOCK, 0) == 0
 
 
+@pytest.mark.unit
 @given(st.integers(0, 500), st.integers(1, 64), st.integers(1, 10_000))
 def test_the_decayed_load_never_exceeds_the_count_nor_goes_negative(blocks: int, block_size: int,
                                                                      expected: int) -> None:
     assert 0 <= decayed_output(blocks, block_size, expected) <= blocks
 
 
+@pytest.mark.unit
 def test_a_request_with_an_expected_length_weighs_its_decayed_output_and_frees_all_of_it() -> None:
     t = tracker()
     t.add(MODEL, TENANT, "plain", 1, 0, [1, 2], 0)
@@ -72,6 +75,7 @@ def test_a_request_with_an_expected_length_weighs_its_decayed_output_and_frees_a
     assert decode_blocks(t) == 0
 
 
+@pytest.mark.unit
 def test_a_dump_keeps_the_expected_length() -> None:
     t = tracker()
     t.add(MODEL, TENANT, "r", 1, 0, [1], 0, expected_output_tokens=64)
@@ -85,6 +89,7 @@ def test_a_dump_keeps_the_expected_length() -> None:
     assert decode_blocks(again) == 1 + 1  # 3 * (1 - 48/64) = 0.75 -> 1
 
 
+@pytest.mark.unit
 def test_replicas_decay_the_same_way() -> None:
     a, b = replica(1), replica(2)
     a.add(MODEL, TENANT, "r", 1, 0, [1, 2, 3], 0, 96)
@@ -96,6 +101,7 @@ def test_replicas_decay_the_same_way() -> None:
         == decayed_output(3, 16, 96) == 2
 
 
+@pytest.mark.process
 def test_over_http_the_field_is_optional_checked_and_sent_by_the_client() -> None:
     import httpx
     from support.reference_server import running_service

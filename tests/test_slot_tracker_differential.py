@@ -39,7 +39,7 @@ import httpx
 import pytest
 from support.reference_server import free_port, require_reference_or_skip, running_server
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.process, pytest.mark.reference]
 
 SEEDS = [int(s) for s in os.environ.get("DYNAMO_LITE_DIFF_SEEDS", "1,2,3,4,5,6,7,8").split(",") if s.strip()]
 STEPS = int(os.environ.get("DYNAMO_LITE_DIFF_STEPS", "1000"))

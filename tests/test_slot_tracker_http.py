@@ -12,6 +12,8 @@ from support.http_support import JSON, assert_error, post
 from dynamo_lite.slot_tracker.app import create_app
 from dynamo_lite.slot_tracker.core import SlotTracker
 
+pytestmark = pytest.mark.unit
+
 REGISTER = {"worker_id": 7, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 2}
 
 

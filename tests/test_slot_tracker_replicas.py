@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from support.nats_support import NatsServer
 from support.reference_server import ServerURL, free_port, running_service
 from support.slot_tracker_writes import Booked, expected_loads  # the acknowledged writes, and their /loads
@@ -232,6 +233,8 @@ def report(load: Load, took: float, *urls: str) -> None:
         print("  " + ", ".join(f"{name} {counter(url, name):.0f}" for name in names))
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_a_replica_killed_under_load_is_replaced_by_one_that_joins_from_the_survivor(nats_server: NatsServer) -> None:
     with ExitStack() as stack:
         a = stack.enter_context(replica(nats_server.url))
@@ -254,6 +257,8 @@ def test_a_replica_killed_under_load_is_replaced_by_one_that_joins_from_the_surv
         assert counter(a, "states_sent") == 2
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_the_nats_server_restarting_mid_run_loses_nothing(nats_server: NatsServer) -> None:
     with ExitStack() as stack:
         a = stack.enter_context(replica(nats_server.url))
@@ -272,6 +277,8 @@ def test_the_nats_server_restarting_mid_run_loses_nothing(nats_server: NatsServe
             assert counter(url, "lost_ops") == 0
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_a_replica_stopped_for_seconds_catches_up(nats_server: NatsServer) -> None:
     with ExitStack() as stack:
         a = stack.enter_context(replica(nats_server.url))
@@ -293,6 +300,8 @@ def test_a_replica_stopped_for_seconds_catches_up(nats_server: NatsServer) -> No
         assert counter(b, "lost_ops") == 0
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_the_same_request_id_added_on_both_replicas_ends_as_one_request(nats_server: NatsServer) -> None:
     with ExitStack() as stack:
         a = stack.enter_context(replica(nats_server.url))
@@ -321,6 +330,8 @@ def test_the_same_request_id_added_on_both_replicas_ends_as_one_request(nats_ser
             time.sleep(0.05)
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_the_first_replica_starts_from_its_snapshot_and_the_next_from_the_first(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -346,6 +357,7 @@ def test_the_first_replica_starts_from_its_snapshot_and_the_next_from_the_first(
             time.sleep(0.05)
 
 
+@pytest.mark.process
 def test_peers_and_nats_together_are_a_usage_error() -> None:
     result = subprocess.run([sys.executable, "-m", "dynamo_lite.slot_tracker", "--port", str(free_port()),
                              "--nats", "nats://127.0.0.1:1", "--peers", "http://127.0.0.1:1"],
@@ -379,6 +391,8 @@ async def until(condition: Any, seconds: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_a_gap_its_origin_cannot_replay_is_healed_by_a_resync(nats_server: NatsServer) -> None:
     with in_process(nats_server.url, 2) as (loop, (a, b)):
 
@@ -414,6 +428,8 @@ def requests_of(sync: NatsReplication) -> set[str]:
     return {request_id for partition in sync.replica.tracker.partitions.values() for request_id in partition.requests}
 
 
+@pytest.mark.process
+@pytest.mark.nats
 def test_a_write_too_large_for_one_nats_message_is_refused_before_it_is_applied(nats_server: NatsServer) -> None:
     with replica(nats_server.url) as a:
         register_workers(a)

@@ -34,6 +34,8 @@ from dynamo_lite.slot_tracker.replication import (
 from dynamo_lite.slot_tracker.snapshot import decode as decode_dump
 from dynamo_lite.slot_tracker.snapshot import encode_pieces
 
+pytestmark = pytest.mark.unit
+
 MODEL, TENANT = "m", "default"
 WORKERS = ((1, 2), (2, 1))  # worker id, dp size
 

@@ -22,12 +22,15 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 from support.reference_server import free_port, running_service
 from support.slot_tracker_writes import MODEL, WORKERS, Booked, expected_loads
 
 from dynamo_lite.client import AsyncSlotTrackerClient, ServiceCallError
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.snapshot import encode
+
+pytestmark = pytest.mark.process
 
 PREFIXES = [[(p << 32) + i for i in range(n)] for p, n in enumerate([8, 32, 64])]
 

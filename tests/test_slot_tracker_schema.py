@@ -3,12 +3,15 @@ response (status, content type, body) is one the document allows."""
 
 from __future__ import annotations
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from support.schema_support import documented_routes, load, served_routes
 
 from dynamo_lite.slot_tracker.app import create_app
 from dynamo_lite.slot_tracker.core import SlotTracker
+
+pytestmark = pytest.mark.unit
 
 
 def seeded_app():

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dynamo_lite.slot_tracker.ops import Batch, Heartbeat, Unregister
 from dynamo_lite.slot_tracker.sequencing import Due, Gap, SequenceCounts, Sequencer
+
+pytestmark = pytest.mark.unit
 
 
 def batch(origin: int, first_seq: int, size: int = 1) -> Batch:

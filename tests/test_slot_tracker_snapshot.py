@@ -25,6 +25,8 @@ from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.protocols import SlotTrackerDump
 from dynamo_lite.snapshots import SnapshotError
 
+pytestmark = pytest.mark.unit
+
 TTL = 100  # of the examples
 PROPERTY_TTL = 300  # of the random operations, whose time steps add up to a few hundred seconds
 

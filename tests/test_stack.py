@@ -45,6 +45,8 @@ def walkthrough() -> str:
     return block
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_the_stack_comes_up_answers_as_the_walkthrough_says_and_stops(tmp_path: Path) -> None:
     """... and Ctrl-C lets an answer streaming through the gateway finish before everything
     stops; its temporary folder of logs goes with it."""
@@ -88,6 +90,8 @@ def test_the_stack_comes_up_answers_as_the_walkthrough_says_and_stops(tmp_path: 
 PD_PORTS = (8081, 8090, 8091, 8000, 8001, 8002, 8003, 8004, 9002, 9003, 9901)
 
 
+@pytest.mark.process
+@pytest.mark.envoy
 def test_the_stack_runs_a_disaggregated_fleet(tmp_path: Path) -> None:
     """`--prefill 1 --decode 2`: a long uncached prompt is prefilled on the prefill engine (8000)
     and decoded behind a decode engine's sidecar (8003 or 8004); nothing stays booked."""
@@ -131,6 +135,7 @@ def test_the_stack_runs_a_disaggregated_fleet(tmp_path: Path) -> None:
     assert [port for port in PD_PORTS if listening(port)] == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("flags", "wording"), [
     (["--prefill", "1"], "--prefill needs --decode"),
     (["--decode", "1"], "--decode needs --prefill"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import pytest
 from starlette.testclient import TestClient
 from support.schema_support import (
     LONG_STATEFUL_CALLS,
@@ -39,6 +40,8 @@ from support.schema_support import (
 from dynamo_lite.indexer.app import create_app as create_indexer_app
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker_app
 from dynamo_lite.slot_tracker.core import decayed_output
+
+pytestmark = pytest.mark.unit
 
 U64_MAX = 2**64 - 1
 

@@ -27,6 +27,8 @@ from support.tls_support import Authority, Pair, peer_common_name
 from dynamo_lite.client import IndexerClient, ServiceCallError, SlotTrackerClient
 from dynamo_lite.reloading import POLL_SECS
 
+pytestmark = pytest.mark.process
+
 STALL = 30.0
 
 

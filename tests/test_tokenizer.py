@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from dynamo_lite.tokenizer import Tokenizer, TokenizerError, shipped_tokenizer_dir
 
+pytestmark = pytest.mark.unit
+
 BOS = "<|begin_of_text|>"
 EOT = "<|eot_id|>"
 
