@@ -9,10 +9,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dynamo_lite.reconcile import Reconciler, Registry, plan
+
+pytestmark = pytest.mark.unit
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ def rows(tracker: SlotTracker, hashes: list[int], isl: int = 0) -> dict[int, tup
             for r in tracker.potential_load_rows(MODEL, TENANT, hashes, isl)}
 
 
+@pytest.mark.unit
 def test_a_prefill_worker_counts_prefill_tokens_and_requests_but_no_blocks() -> None:
     t = fleet()
     t.add(MODEL, TENANT, "p", PREFILL, 0, [1, 2, 3], 48)
@@ -48,6 +49,7 @@ def test_a_prefill_worker_counts_prefill_tokens_and_requests_but_no_blocks() -> 
     assert [(w.worker_id, w.role) for w in t.workers()] == [(PREFILL, "prefill"), (DECODE, "decode")]
 
 
+@pytest.mark.unit
 @given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 6), max_size=6), st.integers(0, 64)), max_size=12))
 def test_a_decode_worker_beside_a_prefill_one_answers_as_if_alone(requests: list[tuple[bool, list[int], int]]) -> None:
     """The prefill worker's bookings change nothing of the decode worker's loads, and its own
@@ -65,6 +67,7 @@ def test_a_decode_worker_beside_a_prefill_one_answers_as_if_alone(requests: list
     assert rows(both, query)[PREFILL][1] == 0
 
 
+@pytest.mark.unit
 def test_an_unknown_role_is_refused() -> None:
     t = SlotTracker()
     with pytest.raises(InvalidArgument, match="role must be one of aggregated, decode, prefill"):
@@ -72,6 +75,7 @@ def test_an_unknown_role_is_refused() -> None:
     assert t.workers() == []
 
 
+@pytest.mark.unit
 def test_a_dump_and_a_replica_keep_the_role() -> None:
     t = fleet()
     t.add(MODEL, TENANT, "p", PREFILL, 0, [1, 2], 32)
@@ -94,6 +98,7 @@ def test_a_dump_and_a_replica_keep_the_role() -> None:
     assert rows(b.tracker, [1]) == rows(a.tracker, [1]) == {PREFILL: (32, 0, 1)}
 
 
+@pytest.mark.process
 def test_over_http_the_role_is_optional_checked_and_sent_by_the_client() -> None:
     import httpx
     from support.reference_server import running_service

@@ -150,6 +150,7 @@ def test_the_stack_refuses_half_a_disaggregated_fleet(flags: list[str], wording:
 # -- the library (dynamo_lite.stack.Stack) the command, the tests and the benchmarks build on --------
 
 
+@pytest.mark.process
 def test_a_killed_part_is_started_again_on_its_ports_and_waited_for() -> None:
     with Stack(engines=1, envoys={}, speedup=50.0, log_level="warning") as stack:
         engine = stack.engines[0]
@@ -170,6 +171,7 @@ def test_a_killed_part_is_started_again_on_its_ports_and_waited_for() -> None:
     assert not any(process.alive() for process in stack.processes.values())
 
 
+@pytest.mark.process
 def test_the_working_folder_goes_with_a_clean_stop_and_stays_after_a_failure(tmp_path: Path) -> None:
     with Stack(engines=0, picker=False, envoys={}) as clean:
         assert (clean.workdir / "slot_tracker.log").exists()
@@ -190,6 +192,7 @@ def test_the_working_folder_goes_with_a_clean_stop_and_stays_after_a_failure(tmp
     assert (given / "slot_tracker.log").exists()  # a folder given is the caller's
 
 
+@pytest.mark.unit
 def test_the_envoy_variants_change_only_what_they_name() -> None:
     def config(variant: str) -> dict:
         return envoy_config(EnvoySettings(variant), listen_port=1, admin_port=2, picker_port=3, engines=["127.0.0.1:4"])
