@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from dynamo_lite.indexer.tree.nodes import (
     COLLIDED_NAMES,
@@ -291,5 +291,7 @@ def stop_ext(node: StopAt, overrides: dict[Node, int]) -> int:
         return overrides.get(node, node.ext) if overrides else node.ext
     if node.__class__ is Chain:
         return node.exts[-1]
-    chain, index = cast("tuple[Chain, int]", node)  # a stop inside a chain (mypy narrows no `__class__ is not`)
+    if TYPE_CHECKING:  # a (chain, index) point: mypy narrows no `__class__ is not`
+        assert isinstance(node, tuple)
+    chain, index = node
     return chain.exts[index]
