@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from pathlib import Path
 from time import perf_counter
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast, final
 from urllib.parse import parse_qsl, unquote
 
 import orjson
@@ -227,6 +227,7 @@ LaterAnswer = asyncio.Future["Answer | StreamAnswer"]
 Headers = list[tuple[bytes, bytes]]
 
 
+@final  # the native server tells it from a future with `type(x) is StreamAnswer`, which mypy narrows
 @dataclasses.dataclass(frozen=True)
 class StreamAnswer:
     """An answer whose body is written as `chunks` yields it (Server-Sent Events, say): the

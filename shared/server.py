@@ -77,13 +77,13 @@ import os
 import signal
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from email.utils import formatdate
 from functools import partial
 from http import HTTPStatus
 from time import perf_counter, time
-from typing import Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, cast, final
 from urllib.parse import unquote
 
 import httptools
@@ -94,6 +94,7 @@ from .http import (
     NOT_ALLOWED_BODY,
     NOT_FOUND_BODY,
     Answer,
+    DirectEndpoint,
     Headers,
     LaterAnswer,
     Service,
@@ -235,6 +236,7 @@ class HttpServer:
         self._sweeper.cancel()
 
 
+@final  # told from bytes in the queue with `type(x) is`, which mypy narrows both ways for a final class
 class _Waiting(NamedTuple):
     """An answer still to come, with what its response head and its metrics need."""
 
@@ -260,6 +262,8 @@ class HttpConnection(asyncio.Protocol):
         "body_size", "answered", "started", "paused", "queue", "closing", "unsent", "stream", "drained",
         "authorization",
     )
+    # Set by `_Keyed` connections, the only ones whose routes check it (`on_headers_complete`).
+    authorization: bytes | None
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
@@ -291,7 +295,7 @@ class HttpConnection(asyncio.Protocol):
         self.content_length: bytes | None = None
         self.expect: bytes | None = None
         self.trace_id: bytes | None = None
-        self.endpoint = None
+        self.endpoint: DirectEndpoint | None = None
         self.series: RouteSeries | None = None
         self.body: list[bytes] = []
         self.body_size = 0
@@ -300,7 +304,8 @@ class HttpConnection(asyncio.Protocol):
     # --- asyncio.Protocol -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport: asyncio.Transport = transport
+        # A stream transport (`create_server`), which asyncio's protocol signature does not say.
+        self.transport = cast(asyncio.Transport, transport)
         limits = self.limits
         if self.server.shutting_down or (limits.max_connections and limits.open_connections >= limits.max_connections):
             limits.refused_connections += 1
@@ -439,9 +444,12 @@ class HttpConnection(asyncio.Protocol):
             self._answer_early(405, NOT_ALLOWED_BODY, _JSON, b"allow: %s\r\n" % allow_header(methods))
             return
         if access:  # API keys configured (only then is a route not OPEN): a `_KeyedConnection`
-            refusal = self.server.app.api_keys.check(self.authorization, access)
-            if refusal is not None:
-                self._answer_early(refusal.status, refusal.body, _JSON, refusal.header)
+            api_keys = self.server.app.api_keys
+            if TYPE_CHECKING:  # a route that is not OPEN means keys are configured
+                assert api_keys is not None
+            denied = api_keys.check(self.authorization, access)
+            if denied is not None:
+                self._answer_early(denied.status, denied.body, _JSON, denied.header)
                 return
         self.endpoint = endpoint
         if endpoint.max_body:
@@ -469,10 +477,15 @@ class HttpConnection(asyncio.Protocol):
         if not self.answered:
             body = self.body
             payload = body[0] if len(body) == 1 else b"".join(body)
-            answer = self.endpoint.answer(self.query_string, payload)
+            endpoint = self.endpoint
+            if TYPE_CHECKING:  # a request not answered early found its route
+                assert endpoint is not None
+            answer = endpoint.answer(self.query_string, payload)
             if type(answer) is tuple:
                 self._answer(*answer)
             else:
+                if TYPE_CHECKING:  # mypy narrows `type(x) is C` the other way for a final C only
+                    assert not isinstance(answer, tuple)
                 self._answer_later(answer)
         self._reset_request()
         self.reading_head = True
@@ -518,8 +531,10 @@ class HttpConnection(asyncio.Protocol):
         return head if method == "HEAD" else head + body
 
     def _record(self, status: int) -> None:
-        self._record_request(status, self.started, self.series, self.method, self.path,
-                             self.trace_id)
+        series = self.series
+        if TYPE_CHECKING:  # set by the route lookup, before any answer (`connection_lost` checks)
+            assert series is not None
+        self._record_request(status, self.started, series, self.method, self.path, self.trace_id)
 
     def _record_request(self, status: int, started: float, series: RouteSeries, method: str, path: str,
                         trace_id: bytes | None) -> None:
@@ -551,8 +566,11 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.pause_reading()
         else:
             self.transport.pause_reading()  # pipelined behind an answer that waits (reading, if it watches)
+        series = self.series
+        if TYPE_CHECKING:  # set by the route lookup, before any answer
+            assert series is not None
         self.queue.append(_Waiting(future, self.keep_alive, self.http_1_0, self.method, self.path, self.started,
-                                   self.series, self.trace_id, watch))
+                                   series, self.trace_id, watch))
         future.add_done_callback(self._write_ready)
 
     def _write_ready(self, _: object = None) -> None:
@@ -564,7 +582,7 @@ class HttpConnection(asyncio.Protocol):
         closed = self.transport.is_closing()
         while queue:
             entry = queue[0]
-            if type(entry) is bytes:
+            if type(entry) is not _Waiting:
                 data = entry
             else:
                 if not entry.future.done():
@@ -750,6 +768,8 @@ class _HeadersConnection(HttpConnection):
             if type(answer) is tuple:
                 self._answer(*answer)
             else:
+                if TYPE_CHECKING:  # mypy narrows `type(x) is C` the other way for a final C only
+                    assert not isinstance(answer, tuple)
                 self._answer_later(answer)
         HttpConnection.on_message_complete(self)  # answered above: only resets and closes
 
@@ -839,12 +859,13 @@ async def serve_app(
         raise StartupFailed("start-up failed") from exc
     try:
         server = HttpServer(app, limits, access_log)
-        tls_options: dict[str, object] = {}
-        if tls is not None:
-            # A handshake is part of the head: bounded by the same timeout.
-            tls_options = {"ssl": tls.listener, "ssl_handshake_timeout": limits.header_timeout_secs or None}
         try:
-            listener = await loop.create_server(server, host, port, backlog=BACKLOG, **tls_options)
+            if tls is None:
+                listener = await loop.create_server(server, host, port, backlog=BACKLOG)
+            else:
+                # A handshake is part of the head: bounded by the same timeout.
+                listener = await loop.create_server(server, host, port, backlog=BACKLOG, ssl=tls.listener,
+                                                    ssl_handshake_timeout=limits.header_timeout_secs or None)
         except OSError as exc:
             # An expected failure (a port in use, an address not on this host): one line, no traceback.
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
@@ -877,7 +898,10 @@ def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log
         new_loop = asyncio.new_event_loop
     else:
         new_loop = uvloop.new_event_loop
-    runner = asyncio.Runner(loop_factory=new_loop) if sys.version_info >= (3, 11) else _runner(new_loop)
+    if sys.version_info >= (3, 11):
+        runner = asyncio.Runner(loop_factory=new_loop)
+    else:
+        runner = _runner(new_loop)
     with runner:
         try:
             runner.run(serve_app(app, host, port, limits, access_log, tls, reloadables))
@@ -889,7 +913,7 @@ def run(app: Service, host: str, port: int, limits: ConnectionLimits, access_log
 class _runner:
     """`asyncio.Runner` for Python 3.10."""
 
-    def __init__(self, new_loop) -> None:
+    def __init__(self, new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
         self.loop = new_loop()
 
     def __enter__(self) -> _runner:
@@ -900,7 +924,7 @@ class _runner:
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
 
-    def run(self, coroutine) -> None:
+    def run(self, coroutine: Coroutine[Any, Any, None]) -> None:
         self.loop.run_until_complete(coroutine)
 
 

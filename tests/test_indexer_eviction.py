@@ -42,7 +42,7 @@ TestEviction.settings = settings(
 def test_unlimited_tree_keeps_no_recency() -> None:
     tree = PrefixTree()
     tree.store((1, 0), None, [11, 12], [LOCALS[0], LOCALS[1]])
-    assert tree._recent is None and tree.device_blocks == 2 and tree.evicted_blocks == 0
+    assert tree.recent is None and tree.device_blocks == 2 and tree.evicted_blocks == 0
 
 
 def test_lower_tier_drops_oldest_store_first() -> None:

@@ -22,11 +22,11 @@ from support.eviction_machine import EvictionMachine
 from support.index_model_machine import IndexModel
 
 from dynamo_lite.hashing import to_signed
-from dynamo_lite.indexer import tree as tree_module
 from dynamo_lite.indexer.answers import query_answer, tiered_answer
 from dynamo_lite.indexer.core import Indexer, QueryResult
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.tree import Chain, MatchResult, Node, PrefixTree, Run, StoreStatus
+from dynamo_lite.indexer.tree import runs as runs_module
 from dynamo_lite.integers import U64_MODULUS
 
 pytestmark = pytest.mark.unit
@@ -143,7 +143,7 @@ def forms(query: list[int], how: str, rng: random.Random) -> list[int]:
 
 @pytest.fixture
 def small_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tree_module, "MIN_RUN", 1)
+    monkeypatch.setattr(runs_module, "MIN_RUN", 1)
 
 
 # --- the machine ------------------------------------------------------------------------------
@@ -156,10 +156,10 @@ class RunsMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._min_run = tree_module.MIN_RUN
+        self._min_run = runs_module.MIN_RUN
 
     def teardown(self) -> None:
-        tree_module.MIN_RUN = self._min_run
+        runs_module.MIN_RUN = self._min_run
 
     @initialize(
         prompts=st.lists(st.lists(st.integers(0, len(LOCALS) - 1), min_size=1, max_size=30), min_size=2, max_size=6),
@@ -168,7 +168,7 @@ class RunsMachine(RuleBasedStateMachine):
         rng=st.randoms(use_true_random=False),  # its calls are hypothesis draws: they shrink
     )
     def setup(self, prompts: list[list[int]], min_run: int, limit: int, rng: random.Random) -> None:
-        tree_module.MIN_RUN = min_run
+        runs_module.MIN_RUN = min_run
         self.rng = rng
         # Prompts continue one another (chat turns) so that they share prefixes and branch.
         self.prompts: list[Path] = []
@@ -345,11 +345,11 @@ class SmallRuns:
 
     def __init__(self) -> None:
         super().__init__()
-        self._min_run = tree_module.MIN_RUN
-        tree_module.MIN_RUN = 1
+        self._min_run = runs_module.MIN_RUN
+        runs_module.MIN_RUN = 1
 
     def teardown(self) -> None:
-        tree_module.MIN_RUN = self._min_run
+        runs_module.MIN_RUN = self._min_run
         super().teardown()  # type: ignore[misc]
 
 
@@ -507,12 +507,12 @@ def reference_answer(indexer: Indexer, model_name: str, tenant_id: str, hashes: 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_query_answers_are_unchanged_byte_for_byte(min_run: int, limit: int, data: st.DataObject) -> None:
-    saved = tree_module.MIN_RUN
-    tree_module.MIN_RUN = min_run
+    saved = runs_module.MIN_RUN
+    runs_module.MIN_RUN = min_run
     try:
         _answers_are_unchanged(limit, data)
     finally:
-        tree_module.MIN_RUN = saved
+        runs_module.MIN_RUN = saved
 
 
 def _answers_are_unchanged(limit: int, data: st.DataObject) -> None:

@@ -1,7 +1,7 @@
 """All partitions of one indexer process: workers, event-id watermarks and query answers.
 
 The partitions, their ranks, instance ownership and the watermarks are `partitions.py`; the
-approximations `approx.py`; the prefix tree of each partition `tree.py`. `Indexer` is the one
+approximations `approx.py`; the prefix tree of each partition `tree/` (`PrefixTree`). `Indexer` is the one
 API over them that the shells call. A partition is created by the first registration or events
 document that names it and disappears with its last worker, so a query then gets 404 as in
 Dynamo.

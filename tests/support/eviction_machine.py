@@ -126,8 +126,8 @@ class EvictionMachine(RuleBasedStateMachine):
 
     @invariant()
     def same_recency(self) -> None:
-        assert self.tree._recent is not None
-        assert [chain_of(node) for node in self.tree._recent] == self.recent
+        assert self.tree.recent is not None
+        assert [chain_of(node) for node in self.tree.recent] == self.recent
 
     @invariant()
     def same_evictions(self) -> None:
