@@ -1,4 +1,4 @@
-"""The service clients' CPU per call, by transport: httpx and the lean one (`dynamo_lite.lean_http`).
+"""The service clients' CPU per call, by transport: httpx and the lean one (`dynamo_lite.client.lean_http`).
 
     python -m bench.client_transport            # a table
 

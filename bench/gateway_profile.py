@@ -23,8 +23,8 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # through its callbacks in lean_http.py), the typed answers' decoding, and httpx where a
     # client still uses it.
     ("slot tracker + indexer calls (service client)", ("/lean_http.py", "httptools", "/_client_base.py",
-                                                      "/_async_client.py", "/shared/client.py",
-                                                      "/dynamo_lite/client.py", "/httpx/", "/httpcore/", "/h11/",
+                                                      "/_async_client.py", "/shared/client/__init__.py",
+                                                      "/dynamo_lite/client/__init__.py", "/httpx/", "/httpcore/", "/h11/",
                                                       "/anyio/", "/sniffio/")),
     ("ext_proc stream (grpc.aio, protobuf, grpc_server.py)", ("/grpc/", "/google/protobuf/", "/envoy/", "/xds/",
                                                              "/validate/", "/udpa/", "epp/grpc_server.py",

@@ -32,11 +32,11 @@ from typing import Any
 import httpx
 import orjson
 
-from dynamo_lite.scheduling import dynamo_config
+from dynamo_lite.base.timing import TimingModel
+from dynamo_lite.routing.scheduling import dynamo_config
 from dynamo_lite.simulate import standin
 from dynamo_lite.simulate.trace import TraceRecord, load_trace
 from dynamo_lite.stack import LEAST_REQUEST, PICKER_FULL, ROUND_ROBIN, Stack
-from dynamo_lite.timing import TimingModel
 
 from . import gateway_chat, gateway_trace
 from .gateway_chat import ChatShape

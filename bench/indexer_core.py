@@ -18,12 +18,12 @@ import tracemalloc
 
 import orjson
 
-from dynamo_lite.cli import YOUNG_ONLY_GC_THRESHOLDS
 from dynamo_lite.hashing import to_signed
 from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.tree import PrefixTree
+from dynamo_lite.web.cli import YOUNG_ONLY_GC_THRESHOLDS
 
 
 def rss_bytes() -> int:
@@ -52,7 +52,7 @@ def memory_one_worker(blocks: int, *, traced: bool, chain: int = 64) -> float:
 def ingest_rate(blocks: int, batch: int = 64, workers: int = 16, tuned_gc: bool = False) -> float:
     """Blocks per second through parse + apply, 64-block stored events from 16 workers.
     `tuned_gc`: with the garbage collector thresholds the indexer service sets at start-up
-    (`dynamo_lite.cli.YOUNG_ONLY_GC_THRESHOLDS`), else Python's defaults."""
+    (`dynamo_lite.web.cli.YOUNG_ONLY_GC_THRESHOLDS`), else Python's defaults."""
     rng = random.Random(11)
     documents = []
     event_ids = [0] * workers

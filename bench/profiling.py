@@ -24,7 +24,7 @@ TOP = 15
 PROFILE_DIR_NAME = "profiles"
 # Frames every sample passes through (start-up, the event loop): left out of the inclusive
 # ranking, where they would fill the top rows at ~100 %.
-OUTER_FRAMES = ("<frozen runpy>", "__main__.py", "shared/cli.py", "run (shared/server.py", "serve_app (shared/server.py",
+OUTER_FRAMES = ("<frozen runpy>", "__main__.py", "shared/web/cli.py", "run (shared/web/server.py", "serve_app (shared/web/server.py",
                 "asyncio/runners.py", "asyncio/base_events.py", "asyncio/events.py")
 
 

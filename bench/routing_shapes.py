@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dynamo_lite.scheduling import dynamo_config
+from dynamo_lite.base.timing import TimingModel
+from dynamo_lite.routing.scheduling import dynamo_config
 from dynamo_lite.simulate import standin
 from dynamo_lite.simulate.standin import Arrival, FleetShape
-from dynamo_lite.timing import TimingModel
 
 BLOCK = 16
 FAST = TimingModel(2.56e-4, 6.8e-3, 0.06e-3).scaled(2.0)  # the gateway benchmark's engines

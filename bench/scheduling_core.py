@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dynamo_lite.client import PotentialLoad
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed_list
 from dynamo_lite.routing import RankReadings
-from dynamo_lite.scheduling import RankInfo, Scheduler, SchedulingRequest, dynamo_config, ttft_config
+from dynamo_lite.routing.scheduling import RankInfo, Scheduler, SchedulingRequest, dynamo_config, ttft_config
 
 BLOCK = 16
 PROMPT_TOKENS = 4096

@@ -32,9 +32,9 @@ from typing import Any
 import httpx
 import orjson
 
-from dynamo_lite.auth import Access, ApiKeys
-from dynamo_lite.server import ConnectionLimits, HttpServer
 from dynamo_lite.slot_tracker.app import create_app
+from dynamo_lite.web.auth import Access, ApiKeys
+from dynamo_lite.web.server import ConnectionLimits, HttpServer
 
 from .cores import on_server_cpu, print_measured
 from .runner import Results, progress
@@ -102,7 +102,7 @@ async def _per_request_us(keyed: dict[str, ApiKeys | None]) -> dict[str, float]:
     requests = {name: _connection(keys) for name, keys in keyed.items()}
     best = dict.fromkeys(keyed, float("inf"))
     gc.collect()
-    gc.disable()  # as the services run: rare young collections (`dynamo_lite.cli.tune_garbage_collector`)
+    gc.disable()  # as the services run: rare young collections (`dynamo_lite.web.cli.tune_garbage_collector`)
     try:
         for _ in range(ROUNDS):
             for name, one in requests.items():

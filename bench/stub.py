@@ -6,7 +6,7 @@ Every benchmarked route of the services is an endpoint that decodes its JSON bod
 (the work any JSON service must do) and answers a canned response. The suite sets each canned
 response to the very bytes our service answered for the same request
 (`POST /__bench__/canned`), so payload sizes are equal in both directions. It is served by
-`dynamo_lite.cli.serve`, exactly as our services are (same server, limits and garbage-collector
+`dynamo_lite.web.cli.serve`, exactly as our services are (same server, limits and garbage-collector
 tuning): ours ÷ stub is what the services' own request work (validation, core, encoding) costs.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import orjson
 from starlette.routing import Route
 
-from dynamo_lite.cli import configure_logging, serve, service_parser
-from dynamo_lite.http import Answer, DirectEndpoint, PathEndpoint, PathParams, Service, health_route
-from dynamo_lite.validation import decode_json
+from dynamo_lite.web.cli import configure_logging, serve, service_parser
+from dynamo_lite.web.http import Answer, DirectEndpoint, PathEndpoint, PathParams, Service, health_route
+from dynamo_lite.web.validation import decode_json
 
 POST_ROUTES = (
     "/potential_loads", "/add", "/prefill_complete", "/free",  # slot tracker

@@ -4,7 +4,7 @@ the engine stand-in, the P/D sidecar and the local stack, from their parsers.
     python docs/generate_configuration.py           # (re)write docs/configuration.md
     python docs/generate_configuration.py --check   # exit 1, with a short diff, if the file is stale
 
-Each service's `main` builds its argparse parser and hands it to `dynamo_lite.cli.parse_args`;
+Each service's `main` builds its argparse parser and hands it to `dynamo_lite.web.cli.parse_args`;
 the generator runs `main` with that function replaced by one that catches the parser, so the
 tables list exactly the flags the services take (a flag added to a parser shows up here, and
 `tests/test_docs_site.py` fails until the page is regenerated). Help texts are the parsers' own.
@@ -55,7 +55,7 @@ def service_parser(module_name: str) -> argparse.ArgumentParser:
     """The parser `module_name`'s `main` builds, caught before it parses anything."""
     module = importlib.import_module(f"{module_name}.__main__")
     if not hasattr(module, "parse_args"):
-        raise CannotGenerate(f"{module_name}.__main__ no longer calls dynamo_lite.cli.parse_args")
+        raise CannotGenerate(f"{module_name}.__main__ no longer calls dynamo_lite.web.cli.parse_args")
 
     def catch(parser: argparse.ArgumentParser, *_: object, **__: object) -> argparse.Namespace:
         raise _Caught(parser)
@@ -94,7 +94,7 @@ def cell(text: str) -> str:
 
 
 def flag_rows(parser: argparse.ArgumentParser, environment: bool = True) -> list[str]:
-    from dynamo_lite.cli import env_name
+    from dynamo_lite.web.cli import env_name
 
     rows = (["| flag | default | environment variable | meaning |", "|---|---|---|---|"] if environment
             else ["| flag | default | meaning |", "|---|---|---|"])

@@ -25,10 +25,10 @@ import random
 import sys
 from pathlib import Path
 
-from dynamo_lite.cli import HelpFormatter
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceStatusError, TransportError
 from dynamo_lite.routing import KvRouter, NoWorkerAvailable, RequestHandle
-from dynamo_lite.scheduling import ttft_config
+from dynamo_lite.routing.scheduling import ttft_config
+from dynamo_lite.web.cli import HelpFormatter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar import EngineSidecar  # noqa: E402  (the example beside this one)

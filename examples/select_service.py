@@ -17,10 +17,10 @@ import os
 import sys
 import time
 
-from dynamo_lite.cli import HelpFormatter
 from dynamo_lite.client import SelectClient, ServiceCallError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes
 from dynamo_lite.kv_publishers import EnginePublisher, Stored, WireFormat
+from dynamo_lite.web.cli import HelpFormatter
 
 BLOCK_SIZE = 16
 

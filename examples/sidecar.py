@@ -29,9 +29,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dynamo_lite.cli import HelpFormatter
 from dynamo_lite.client import AsyncIndexerClient, IngestReport, ServiceCallError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes
+from dynamo_lite.web.cli import HelpFormatter
 
 
 class EngineSidecar:

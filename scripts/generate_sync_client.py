@@ -1,6 +1,6 @@
-"""Write shared/_sync_client.py, the sync clients' methods, from shared/_async_client.py.
+"""Write shared/client/_sync_client.py, the sync clients' methods, from shared/client/_async_client.py.
 
-    python scripts/generate_sync_client.py           # (re)write shared/_sync_client.py
+    python scripts/generate_sync_client.py           # (re)write shared/client/_sync_client.py
     python scripts/generate_sync_client.py --check   # exit 1 if the committed file is stale
 
 The async clients are the source: each route method is written once, with its signature,
@@ -9,7 +9,7 @@ docstring and request body, and the sync one is the same text with `async def` a
 `SlotTrackerClient`, `httpx.AsyncClient` -> `httpx.Client`), as httpcore generates its sync
 classes. Type checkers and IDEs then see every sync method with its own types. What differs
 beyond those words (the transports, the async-only `lean=` option) is written by hand in
-shared/_client_base.py. `tests/test_client.py` runs `--check`.
+shared/client/_client_base.py. `tests/test_client.py` runs `--check`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "shared" / "_async_client.py"
-OUTPUT = ROOT / "shared" / "_sync_client.py"
+SOURCE = ROOT / "shared" / "client" / "_async_client.py"
+OUTPUT = ROOT / "shared" / "client" / "_sync_client.py"
 HEADER = '''"""The sync clients' route methods. Generated from _async_client.py: do not edit.
 
-Change `shared/_async_client.py`, then run `python scripts/generate_sync_client.py`.
+Change `shared/client/_async_client.py`, then run `python scripts/generate_sync_client.py`.
 """
 '''
 # In order; each applies to the whole text, word-bounded so no longer name is cut.

@@ -23,7 +23,7 @@ from typing import Final
 
 from xxhash import xxh3_64_intdigest
 
-from .integers import I64_MAX, I64_MIN, U64_MASK, U64_MAX, U64_MODULUS
+from .base.integers import I64_MAX, I64_MIN, U64_MASK, U64_MAX, U64_MODULUS
 
 LOCAL_HASH_SEED: Final = 1337
 """Seed of local block hashes without LoRA adapter or cache salt (Dynamo's `XXH3_SEED`)."""
@@ -173,7 +173,7 @@ def to_unsigned_list(values: Sequence[int]) -> list[int]:
 
 
 __all__ = [
-    # The hash ranges, from `dynamo_lite.integers`: what the conversions below convert between.
+    # The hash ranges, from `dynamo_lite.base.integers`: what the conversions below convert between.
     "U64_MASK",
     "I64_MIN",
     "I64_MAX",

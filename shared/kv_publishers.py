@@ -54,7 +54,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from .integers import U64_MASK
+from .base.integers import U64_MASK
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """Seq frame of the replay end marker (both engines' `ZmqEventPublisher.END_SEQ`)."""

@@ -20,13 +20,13 @@ from starlette.routing import Route
 from support.reference_server import ServerURL, free_port, running_server
 
 from bench.security import MemoryTransport
-from dynamo_lite.auth import Access, ApiKeys, key_list, read_key_file
 from dynamo_lite.client import AsyncSlotTrackerClient, IndexerClient, ServiceCallError, SlotTrackerClient
-from dynamo_lite.credentials import ClientCredentials, api_key_from_env
-from dynamo_lite.http import Answer, Headers, HeadersEndpoint, Service
 from dynamo_lite.indexer.app import create_app as create_indexer
-from dynamo_lite.server import ConnectionLimits, HttpServer
 from dynamo_lite.slot_tracker.app import create_app as create_slot_tracker
+from dynamo_lite.web.auth import Access, ApiKeys, key_list, read_key_file
+from dynamo_lite.web.credentials import ClientCredentials, api_key_from_env
+from dynamo_lite.web.http import Answer, Headers, HeadersEndpoint, Service
+from dynamo_lite.web.server import ConnectionLimits, HttpServer
 
 OLD_KEY, NEW_KEY, FILE_KEY, READ_KEY = "old-key-1", "new-key-2", "file-key-3", "read-key-4"
 APPS = {"slot_tracker": create_slot_tracker, "indexer": create_indexer}
@@ -315,7 +315,7 @@ def test_key_files_are_read_again_on_change_and_on_sighup(tmp_path: Path) -> Non
     import signal
     import time
 
-    from dynamo_lite.reloading import POLL_SECS
+    from dynamo_lite.web.reloading import POLL_SECS
 
     key_file = tmp_path / "keys"
     key_file.write_text("old\n")

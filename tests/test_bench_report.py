@@ -32,16 +32,16 @@ def test_missing_result_line_is_an_error() -> None:
 
 def test_profile_ranks_own_and_inclusive_time_without_the_event_loop() -> None:
     collapsed = "\n".join([
-        "_run_code (<frozen runpy>:88);Runner.run (asyncio/runners.py:118);handle (shared/http.py:10);"
-        "parse (shared/validation.py:5) 30",
-        "_run_code (<frozen runpy>:88);Runner.run (asyncio/runners.py:118);handle (shared/http.py:12) 10",
+        "_run_code (<frozen runpy>:88);Runner.run (asyncio/runners.py:118);handle (shared/web/http.py:10);"
+        "parse (shared/web/validation.py:5) 30",
+        "_run_code (<frozen runpy>:88);Runner.run (asyncio/runners.py:118);handle (shared/web/http.py:12) 10",
         "_run_code (<frozen runpy>:88);Runner.run (asyncio/runners.py:118) 60",
     ])
     profile = top_functions(collapsed)
     assert profile["samples"] == 100
     assert profile["top_own"][0] == ("Runner.run (asyncio/runners.py)", 60.0)
     # Lines of one function merge; outer frames stay out of the inclusive ranking.
-    assert dict(profile["top_inclusive"]) == {"handle (shared/http.py)": 40.0, "parse (shared/validation.py)": 30.0}
+    assert dict(profile["top_inclusive"]) == {"handle (shared/web/http.py)": 40.0, "parse (shared/web/validation.py)": 30.0}
 
 
 def _run(scenario: str, role: str, connections: int, rps: float, p50_us: float = 1000.0,

@@ -49,7 +49,7 @@ def served_paths(module: str) -> set[str]:
     if module == "dynamo_lite.mock_engine":
         from dynamo_lite.mock_engine.app import create_app as create_engine_app
         from dynamo_lite.mock_engine.engine import EngineConfig
-        from dynamo_lite.tokenizer import Tokenizer
+        from dynamo_lite.routing.tokenizer import Tokenizer
 
         return {route.path for route in create_engine_app(EngineConfig(), Tokenizer.load()).routes}
     create_app = {"dynamo_lite.slot_tracker": create_slot_tracker_app, "dynamo_lite.indexer": create_indexer_app}

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "docs"))
 
 import generate_configuration  # noqa: E402  (docs/ is not a package)
 
-from dynamo_lite.cli import env_name  # noqa: E402
+from dynamo_lite.web.cli import env_name  # noqa: E402
 
 
 @pytest.mark.process

@@ -21,7 +21,7 @@ from dynamo_lite.epp.picker import KvPicker, PickerSettings
 from dynamo_lite.epp.pool_file import parse_pool
 from dynamo_lite.epp.prompt import PromptReader
 from dynamo_lite.epp.protocol import PickError, RequestInfo
-from dynamo_lite.tokenizer import Tokenizer
+from dynamo_lite.routing.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.process
 

@@ -34,7 +34,7 @@ from dynamo_lite.epp.prompt import PromptReader
 from dynamo_lite.epp.protocol import Pick, PickError, RequestInfo
 from dynamo_lite.epp.registration import indexer_rank, tracker_workers
 from dynamo_lite.epp.state import LocalState
-from dynamo_lite.tokenizer import Tokenizer
+from dynamo_lite.routing.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import pytest
 
 from dynamo_lite.epp.prompt import PromptReader
 from dynamo_lite.epp.protocol import PickError
-from dynamo_lite.tokenizer import Tokenizer
+from dynamo_lite.routing.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -86,7 +86,7 @@ def test_a_prompt_too_long_for_the_engines_is_refused_with_openai_s_code() -> No
 
 
 def test_the_gil_free_path_encodes_exactly_as_the_plain_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dynamo_lite.tokenizer as tokenizer_module
+    import dynamo_lite.routing.tokenizer as tokenizer_module
 
     tokenizer = Tokenizer.load()
     text = WORDS * 200  # past GIL_FREE_CHARS: encode_batch

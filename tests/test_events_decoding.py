@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_lite.errors import InvalidShape, ServiceError
+from dynamo_lite.base.errors import InvalidShape, ServiceError
 from dynamo_lite.indexer.protocols import decode_events_document, explain_events_document, parse_events_document
-from dynamo_lite.validation import decode_json
+from dynamo_lite.web.validation import decode_json
 
 pytestmark = pytest.mark.unit
 

@@ -29,9 +29,9 @@ import pytest
 from support.reference_server import ServerURL, free_port, running_server
 from support.tls_support import Authority
 
-from dynamo_lite.http import DEFAULT_MAX_BODY
 from dynamo_lite.indexer.app import LARGE_BODY
-from dynamo_lite.server import MAX_REQUEST_HEAD
+from dynamo_lite.web.http import DEFAULT_MAX_BODY
+from dynamo_lite.web.server import MAX_REQUEST_HEAD
 
 pytestmark = pytest.mark.process
 
@@ -508,7 +508,7 @@ def test_serve_raises_the_soft_open_file_limit_to_the_hard_one() -> None:
     """Each connection is a file descriptor: a soft limit of 1024 would refuse the 2,000 above."""
     script = (
         "import resource\n"
-        "from dynamo_lite.cli import raise_open_file_limit\n"
+        "from dynamo_lite.web.cli import raise_open_file_limit\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
         "raised = raise_open_file_limit()\n"

@@ -1,4 +1,4 @@
-"""Routes beyond one method on one exact path (`dynamo_lite.http`): several methods on a path,
+"""Routes beyond one method on one exact path (`dynamo_lite.web.http`): several methods on a path,
 each its own endpoint; templated paths (`/items/{item_id}/done`) whose parameters reach the
 handler; a POST whose body is optional. Both entry points (the native server and ASGI) route
 with the same table, so every case runs on both."""
@@ -14,10 +14,10 @@ import pytest
 from starlette.testclient import TestClient
 from support.server_thread import ServerThread
 
-from dynamo_lite import http
-from dynamo_lite.auth import Access, ApiKeys
-from dynamo_lite.errors import NotFound
-from dynamo_lite.validation import U32, RequestBody, decoder
+from dynamo_lite.base.errors import NotFound
+from dynamo_lite.web import http
+from dynamo_lite.web.auth import Access, ApiKeys
+from dynamo_lite.web.validation import U32, RequestBody, decoder
 
 pytestmark = pytest.mark.unit
 

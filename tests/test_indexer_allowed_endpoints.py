@@ -11,7 +11,7 @@ import httpx
 import pytest
 from support.reference_server import running_service
 
-from dynamo_lite.errors import InvalidArgument
+from dynamo_lite.base.errors import InvalidArgument
 from dynamo_lite.indexer.endpoints import EndpointRules
 
 RULES = "10.0.0.0/8,fd00::/8,192.168.1.7:5557-5558,*.engines.svc.cluster.local:5557,vllm-?,ipc:///run/vllm/*"

@@ -17,8 +17,8 @@ from support.http_support import JSON, assert_error, post
 from support.indexer_events import L, apply, cleared, doc, removed, scores, stored
 from support.reference_server import free_port, require_reference_or_skip, running_server, running_service
 
+from dynamo_lite.base.errors import Conflict, NotFound
 from dynamo_lite.client import AsyncIndexerClient, RoutedReport, ServiceCallError
-from dynamo_lite.errors import Conflict, NotFound
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed, to_signed_list
 from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.app import IndexerConfig, create_app

@@ -34,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from support.fake_clock import Clock
 from support.indexer_model import LOCALS, ModelWorker, external, model_match
 
-from dynamo_lite.errors import Conflict
+from dynamo_lite.base.errors import Conflict
 from dynamo_lite.hashing import to_signed_list
 from dynamo_lite.indexer.answers import query_answer
 from dynamo_lite.indexer.approx import shadow_of

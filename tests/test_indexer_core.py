@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from support.indexer_events import L, apply, cleared, doc, removed, scores, stored
 
-from dynamo_lite.errors import Conflict, InvalidArgument, InvalidShape, NotFound
+from dynamo_lite.base.errors import Conflict, InvalidArgument, InvalidShape, NotFound
 from dynamo_lite.hashing import local_block_hashes, to_signed, to_signed_list
 from dynamo_lite.indexer import answers
 from dynamo_lite.indexer.answers import query_answer

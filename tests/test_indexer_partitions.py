@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynamo_lite.errors import Conflict, NotFound
+from dynamo_lite.base.errors import Conflict, NotFound
 from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.partitions import EVENTS, NONE, AlreadyRegistered, Gap, Partitions, Rank, Watermarks
 from dynamo_lite.indexer.protocols import parse_events_document

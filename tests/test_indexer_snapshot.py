@@ -246,7 +246,7 @@ def test_bad_snapshot_makes_the_process_exit_with_a_clear_message(tmp_path: Path
     path.write_bytes(b'{"m:default": ')
     result = subprocess.run([*COMMAND, "--port", str(free_port()), "--snapshot", str(path)],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 3  # dynamo_lite.server.STARTUP_FAILED_EXIT_STATUS
+    assert result.returncode == 3  # dynamo_lite.web.server.STARTUP_FAILED_EXIT_STATUS
     assert f"snapshot {path} is not valid JSON" in result.stderr
     assert "refusing to start" in result.stderr
 

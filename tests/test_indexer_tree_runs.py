@@ -21,13 +21,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from support.eviction_machine import EvictionMachine
 from support.index_model_machine import IndexModel
 
+from dynamo_lite.base.integers import U64_MODULUS
 from dynamo_lite.hashing import to_signed
 from dynamo_lite.indexer.answers import query_answer, tiered_answer
 from dynamo_lite.indexer.core import Indexer, QueryResult
 from dynamo_lite.indexer.protocols import parse_events_document
 from dynamo_lite.indexer.tree import Chain, MatchResult, Node, PrefixTree, Run, StoreStatus
 from dynamo_lite.indexer.tree import runs as runs_module
-from dynamo_lite.integers import U64_MODULUS
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The lean transport (`dynamo_lite.lean_http`) the endpoint picker calls the services with: the
+"""The lean transport (`dynamo_lite.client.lean_http`) the endpoint picker calls the services with: the
 same answers and errors as the httpx transport; one stalled answer fails only its own call; a
 lifecycle call is never applied twice after a lost connection; answers that do not read, are
 cut short, carry extra fields or are too large come out as `ServiceCallError`s and nothing else."""
@@ -21,7 +21,7 @@ from dynamo_lite.client import (
     ServiceStatusError,
     TransportError,
 )
-from dynamo_lite.lean_http import LeanTransport
+from dynamo_lite.client.lean_http import LeanTransport
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK_EMPTY = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"

@@ -13,7 +13,7 @@ import openai
 import pytest
 from support.reference_server import ServerURL, free_port, running_service
 
-from dynamo_lite.tokenizer import Tokenizer
+from dynamo_lite.routing.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.process
 

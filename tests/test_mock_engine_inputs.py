@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
+from dynamo_lite.base.timing import TimingModel
 from dynamo_lite.kv_publishers import WireFormat
 from dynamo_lite.mock_engine.app import create_app
 from dynamo_lite.mock_engine.engine import EngineConfig, KvEventsConfig
-from dynamo_lite.timing import TimingModel
-from dynamo_lite.tokenizer import Tokenizer
+from dynamo_lite.routing.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -11,6 +11,7 @@ import pytest
 from support.pd_support import BLOCK, metric, pd_engine, prefill_params, stored_tokens
 from support.reference_server import free_port
 
+from dynamo_lite.base.timing import TimingModel
 from dynamo_lite.kv_publishers import Stored
 from dynamo_lite.mock_engine.cache import PrefixCache
 from dynamo_lite.mock_engine.kv_transfer import (
@@ -23,7 +24,6 @@ from dynamo_lite.mock_engine.kv_transfer import (
     wants_remote_decode,
 )
 from dynamo_lite.mock_engine.scheduler import EngineRequest, Scheduler
-from dynamo_lite.timing import TimingModel
 
 # --- parameters -------------------------------------------------------------------------------
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from dynamo_lite.base.timing import TimingModel
 from dynamo_lite.mock_engine.cache import PrefixCache
 from dynamo_lite.mock_engine.scheduler import FINISHED_LENGTH, EngineRequest, Scheduler
-from dynamo_lite.timing import TimingModel
 
 pytestmark = pytest.mark.unit
 

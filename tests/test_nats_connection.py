@@ -14,7 +14,7 @@ import pytest
 from nats.errors import FlushTimeoutError
 from support.nats_support import NatsServer
 
-from dynamo_lite.nats_connection import connect, flush
+from dynamo_lite.durability.nats_connection import connect, flush
 
 pytestmark = [pytest.mark.process, pytest.mark.nats]
 

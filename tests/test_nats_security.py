@@ -17,7 +17,7 @@ from support.nats_support import NatsServer
 from support.reference_server import free_port, running_service
 from support.tls_support import Authority
 
-from dynamo_lite.nats_connection import NatsSecurity
+from dynamo_lite.durability.nats_connection import NatsSecurity
 
 STALL = 30.0
 

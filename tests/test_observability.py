@@ -20,15 +20,15 @@ from starlette.testclient import TestClient
 from support.http_support import post
 from support.reference_server import free_port, wait_healthy
 
-from dynamo_lite import cli, http
 from dynamo_lite.hashing import local_block_hashes
 from dynamo_lite.indexer.app import create_app as create_indexer_app
 from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.protocols import parse_events_document
-from dynamo_lite.logs import AccessLog, JsonFormatter, access_logger
 from dynamo_lite.slot_tracker.app import SlotTrackerConfig
 from dynamo_lite.slot_tracker.app import create_app as create_tracker_app
 from dynamo_lite.slot_tracker.core import SlotTracker
+from dynamo_lite.web import cli, http
+from dynamo_lite.web.logs import AccessLog, JsonFormatter, access_logger
 
 LOCAL = local_block_hashes(list(range(1, 161)), 16)  # 10 blocks
 TEXT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -1,4 +1,4 @@
-"""The level-triggered reconcile core (`dynamo_lite.reconcile`): `plan` on its own, and a
+"""The level-triggered reconcile core (`dynamo_lite.routing.reconcile`): `plan` on its own, and a
 `Reconciler` against an in-memory service that keys registrations by identity, refuses a second
 form of one identity (the services' 409) and fails calls when told to (a service away)."""
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynamo_lite.reconcile import Reconciler, Registry, plan
+from dynamo_lite.routing.reconcile import Reconciler, Registry, plan
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Each request type's two readers (see `dynamo_lite.validation.RequestBody`): msgspec's one pass
+"""Each request type's two readers (see `dynamo_lite.web.validation.RequestBody`): msgspec's one pass
 into the struct (the hot path) and the ordered path derived from the same declaration (the
 definition of what a route accepts, and of the first error a body gets). For any body of any
 route: the same request, or the same status and error text; and every body the ordered path
@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_lite.errors import ServiceError
+from dynamo_lite.base.errors import ServiceError
 from dynamo_lite.indexer import app as indexer_app
 from dynamo_lite.slot_tracker import app as slot_tracker_app
-from dynamo_lite.validation import RequestBody, decode_json, decoder, ordered_reader
+from dynamo_lite.web.validation import RequestBody, decode_json, decoder, ordered_reader
 
 pytestmark = pytest.mark.unit
 

@@ -12,8 +12,8 @@ import pytest
 
 from dynamo_lite.client import ConnectError, ServiceStatusError
 from dynamo_lite.routing import NoWorkerAvailable, RouterConfig
-from dynamo_lite.scheduling import AllBusy, RankCost, RankState, Scheduler, SchedulingRequest, Selection
-from dynamo_lite.scheduling.parts import pick_softmax
+from dynamo_lite.routing.scheduling import AllBusy, RankCost, RankState, Scheduler, SchedulingRequest, Selection
+from dynamo_lite.routing.scheduling.parts import pick_softmax
 
 pytestmark = pytest.mark.unit
 

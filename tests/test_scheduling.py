@@ -1,4 +1,4 @@
-"""The scheduling cycle (`dynamo_lite.scheduling`): each part as a pure unit, the whole cycle's
+"""The scheduling cycle (`dynamo_lite.routing.scheduling`): each part as a pure unit, the whole cycle's
 properties over generated inputs, and `--cost dynamo` against Dynamo's formula written out here."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_lite.scheduling import (
+from dynamo_lite.base.timing import TimingModel
+from dynamo_lite.routing.scheduling import (
     AllBusy,
     BusyThresholds,
     NoWorkerAvailable,
@@ -23,8 +24,8 @@ from dynamo_lite.scheduling import (
     parse_config,
     ttft_config,
 )
-from dynamo_lite.scheduling.learning import RateEstimate, SessionTable, WriteWindow
-from dynamo_lite.scheduling.parts import (
+from dynamo_lite.routing.scheduling.learning import RateEstimate, SessionTable, WriteWindow
+from dynamo_lite.routing.scheduling.parts import (
     RankView,
     cache_pressure,
     decode_blocks,
@@ -33,7 +34,6 @@ from dynamo_lite.scheduling.parts import (
     prefill_blocks,
     prefill_time,
 )
-from dynamo_lite.timing import TimingModel
 
 pytestmark = pytest.mark.unit
 

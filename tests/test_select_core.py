@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from dynamo_lite.errors import Conflict, InvalidArgument, NotFound
-from dynamo_lite.scheduling import dynamo_config
+from dynamo_lite.base.errors import Conflict, InvalidArgument, NotFound
+from dynamo_lite.routing.scheduling import dynamo_config
 from dynamo_lite.select_service.core import NoCandidate, NotReady, SelectionCore, SelectionSettings
 from dynamo_lite.select_service.pending import PendingSelection, SelectionCache
 from dynamo_lite.select_service.protocols import (

@@ -1,4 +1,4 @@
-"""The native HTTP server (`dynamo_lite.server`) against a real slot tracker process, byte by
+"""The native HTTP server (`dynamo_lite.web.server`) against a real slot tracker process, byte by
 byte: pipelining, `Expect: 100-continue`, early answers that keep the connection usable, HEAD,
 percent-encoded paths, and a graceful shutdown that answers the request in flight."""
 

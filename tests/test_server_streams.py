@@ -23,9 +23,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from support.raw_http import get
 
-from dynamo_lite import http
-from dynamo_lite.metrics import DISCONNECTED
-from dynamo_lite.server import ConnectionLimits, HttpConnection, HttpServer
+from dynamo_lite.web import http
+from dynamo_lite.web.metrics import DISCONNECTED
+from dynamo_lite.web.server import ConnectionLimits, HttpConnection, HttpServer
 
 pytestmark = pytest.mark.unit
 

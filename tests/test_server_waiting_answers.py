@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from support.raw_http import Connection, get, post
 from support.server_thread import ServerThread, body, make_app
 
-from dynamo_lite import http
+from dynamo_lite.web import http
 
 pytestmark = pytest.mark.unit
 

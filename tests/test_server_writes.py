@@ -1,6 +1,6 @@
 """The native server writes the first answer of a turn of its event loop at once and holds the
 others until the turn ends, then writes each connection's in one `transport.write` (see
-`dynamo_lite.server`, "Writes"), without changing what clients receive: pipelined answers in
+`dynamo_lite.web.server`, "Writes"), without changing what clients receive: pipelined answers in
 order, an answer before the close that follows it, and the 408 of a head left unfinished behind
 a pipelined request (whose clock once started only at the head's next byte)."""
 
@@ -15,8 +15,8 @@ import pytest
 from support.raw_http import Connection, get, post
 from support.server_thread import ServerThread
 
-from dynamo_lite import http
-from dynamo_lite.server import ConnectionLimits, HttpConnection, HttpServer
+from dynamo_lite.web import http
+from dynamo_lite.web.server import ConnectionLimits, HttpConnection, HttpServer
 
 pytestmark = pytest.mark.unit
 

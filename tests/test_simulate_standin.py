@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from dynamo_lite.scheduling import dynamo_config
+from dynamo_lite.base.timing import TimingModel
+from dynamo_lite.routing.scheduling import dynamo_config
 from dynamo_lite.simulate import standin
 from dynamo_lite.simulate.standin import Arrival, FleetShape
-from dynamo_lite.timing import TimingModel
 
 pytestmark = pytest.mark.unit
 

@@ -62,7 +62,7 @@ def test_serves_then_stops_cleanly(stop_signal: signal.Signals) -> None:
 
 @pytest.mark.unit
 def test_default_connection_cap_keeps_a_tenth_of_the_open_files_for_everything_else() -> None:
-    from dynamo_lite.cli import default_max_connections
+    from dynamo_lite.web.cli import default_max_connections
 
     assert default_max_connections(1024) == 896  # systemd's default soft limit: 128 kept
     assert default_max_connections(20_000) == 18_000

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from dynamo_lite.errors import Conflict, InvalidArgument, NotFound
+from dynamo_lite.base.errors import Conflict, InvalidArgument, NotFound
 from dynamo_lite.slot_tracker import core
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo

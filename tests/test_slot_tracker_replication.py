@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_lite.errors import ServiceError
+from dynamo_lite.base.errors import ServiceError
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.replication import (
     Add,

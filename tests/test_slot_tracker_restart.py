@@ -223,6 +223,6 @@ def test_an_unreadable_snapshot_stops_the_process_with_a_clear_message(tmp_path:
     path.write_bytes(b'{"version": 1, "taken_at": 0, "partitions": [')
     result = subprocess.run([sys.executable, "-m", "dynamo_lite.slot_tracker", "--port", str(free_port()),
                              "--snapshot", str(path)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 3  # dynamo_lite.server.STARTUP_FAILED_EXIT_STATUS
+    assert result.returncode == 3  # dynamo_lite.web.server.STARTUP_FAILED_EXIT_STATUS
     assert f"snapshot {path} is not a slot tracker dump" in result.stderr
     assert "refusing to start" in result.stderr

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynamo_lite.errors import InvalidArgument
+from dynamo_lite.base.errors import InvalidArgument
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.replication import Batch, Replica, decode_message, encode
 

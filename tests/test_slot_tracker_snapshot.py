@@ -17,13 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
+from dynamo_lite.base.errors import Conflict, InvalidArgument, NotFound, ServiceError
 from dynamo_lite.client import AsyncSlotTrackerClient
-from dynamo_lite.errors import Conflict, InvalidArgument, NotFound, ServiceError
+from dynamo_lite.durability.snapshots import SnapshotError
 from dynamo_lite.slot_tracker import snapshot
 from dynamo_lite.slot_tracker.app import SlotTrackerConfig, create_app
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.protocols import SlotTrackerDump
-from dynamo_lite.snapshots import SnapshotError
 
 pytestmark = pytest.mark.unit
 

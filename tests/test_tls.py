@@ -25,7 +25,7 @@ from support.reference_server import ServerURL, free_port, running_server
 from support.tls_support import Authority, Pair, peer_common_name
 
 from dynamo_lite.client import IndexerClient, ServiceCallError, SlotTrackerClient
-from dynamo_lite.reloading import POLL_SECS
+from dynamo_lite.web.reloading import POLL_SECS
 
 pytestmark = pytest.mark.process
 

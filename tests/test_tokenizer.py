@@ -1,4 +1,4 @@
-"""dynamo_lite.tokenizer: the shipped tokenizer, chat rendering as transformers does it, vLLM's
+"""dynamo_lite.routing.tokenizer: the shipped tokenizer, chat rendering as transformers does it, vLLM's
 special-token rules, and the errors a bad directory, template or message list gives."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_lite.tokenizer import Tokenizer, TokenizerError, shipped_tokenizer_dir
+from dynamo_lite.routing.tokenizer import Tokenizer, TokenizerError, shipped_tokenizer_dir
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,9 @@ import argparse
 import logging
 from pathlib import Path
 
-from dynamo_lite.cli import (
+from dynamo_lite.routing.scheduling import SchedulerConfigError
+from dynamo_lite.routing.scheduling.flags import add_scheduling_arguments, scheduler_config
+from dynamo_lite.web.cli import (
     add_client_arguments,
     add_security_arguments,
     check_security_arguments,
@@ -21,8 +23,6 @@ from dynamo_lite.cli import (
     serve,
     service_parser,
 )
-from dynamo_lite.scheduling import SchedulerConfigError
-from dynamo_lite.scheduling.flags import add_scheduling_arguments, scheduler_config
 
 from .access_log import DEFAULT_SILENCE_SECS
 from .app import DEFAULT_ENGINE_METRICS_SECS, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EppConfig, create_app

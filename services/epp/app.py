@@ -23,13 +23,13 @@ from typing import Any
 import orjson
 from starlette.routing import Route
 
-from dynamo_lite import http
+from dynamo_lite.base.errors import InvalidArgument
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
-from dynamo_lite.credentials import ClientCredentials
-from dynamo_lite.errors import InvalidArgument
-from dynamo_lite.http import Answer
-from dynamo_lite.tokenizer import Tokenizer
-from dynamo_lite.validation import decode_json
+from dynamo_lite.routing.tokenizer import Tokenizer
+from dynamo_lite.web import http
+from dynamo_lite.web.credentials import ClientCredentials
+from dynamo_lite.web.http import Answer
+from dynamo_lite.web.validation import decode_json
 
 from .access_log import DEFAULT_SILENCE_SECS
 from .engine_metrics import EngineMetricsReader

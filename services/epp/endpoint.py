@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo_lite.integers import U32_MAX, U64_MODULUS
+from dynamo_lite.base.integers import U32_MAX, U64_MODULUS
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_TENANT = "default"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from dynamo_lite.scheduling import Scheduler
+from dynamo_lite.routing.scheduling import Scheduler
 
 from .endpoint import PoolEndpoint
 

@@ -10,7 +10,7 @@ Per request (`KvPicker.pick`):
    cheaper for the indexer than hashing a `/query`'s token ids itself (bench.gateway);
 3. the indexer's overlap and the slot tracker's `/potential_loads` are read concurrently
    (`dynamo_lite.routing.read_ranks`; with `--state in-process`, the picker's own cores, read
-   synchronously: `state.LocalState`) and the scheduling cycle chooses (`dynamo_lite.scheduling`,
+   synchronously: `state.LocalState`) and the scheduling cycle chooses (`dynamo_lite.routing.scheduling`,
    the one `KvRouter` and the simulator run): by default the rank with the least predicted time
    to first token plus cache-write cost, or Dynamo's `overlap_weight * prefill_blocks +
    decode_blocks` with `--cost dynamo`; busy thresholds take ranks out; a session header keeps a
@@ -44,7 +44,7 @@ from typing import Any
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient, ServiceCallError, ServiceStatusError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed_list
 from dynamo_lite.routing import RankReadings
-from dynamo_lite.scheduling import (
+from dynamo_lite.routing.scheduling import (
     AllBusy,
     BusyThresholds,
     RankCost,
@@ -56,8 +56,8 @@ from dynamo_lite.scheduling import (
     Selection,
     ttft_config,
 )
-from dynamo_lite.scheduling.cycle import FILTER_BUSY, FILTER_SATURATED
-from dynamo_lite.scheduling.model import RankKey
+from dynamo_lite.routing.scheduling.cycle import FILTER_BUSY, FILTER_SATURATED
+from dynamo_lite.routing.scheduling.model import RankKey
 
 from .booking import Booking, BookingTarget, InFlight
 from .disagg import PREFILLER_HEADER, DisaggSettings, PrefillChoice, PrefillRank, choose_prefill

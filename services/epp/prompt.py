@@ -8,7 +8,7 @@ Three sources, tried in this order:
    `POST /v1/chat/completions/render`) answer the ids the engine computes, chat template
    included; a GPU-less vLLM (or the engine stand-in) can serve them beside the picker;
 3. a local tokenizer directory (`tokenizer.json` + `tokenizer_config.json`): the same code as
-   the engine stand-in (`dynamo_lite.tokenizer`), so both agree token for token.
+   the engine stand-in (`dynamo_lite.routing.tokenizer`), so both agree token for token.
 
 A prompt whose text is longer than `offload_chars` is tokenized on a worker thread
 (`--tokenizer-threads`): the loop that picks also relays every streamed answer, and an 80,000-token
@@ -31,8 +31,8 @@ from typing import Any
 import httpx
 import orjson
 
-from dynamo_lite.integers import U32_MAX
-from dynamo_lite.tokenizer import Tokenizer, TokenizerError
+from dynamo_lite.base.integers import U32_MAX
+from dynamo_lite.routing.tokenizer import Tokenizer, TokenizerError
 
 from .protocol import PickError
 

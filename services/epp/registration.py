@@ -5,7 +5,7 @@ endpoint.
 The slot tracker registers a worker's ranks as one range (one registration per worker); the
 indexer registers each rank, with the engine's KV-event endpoints. Several pickers may share one
 pool and a restarting picker registers again, so a 409 whose registration is exactly ours counts
-as success (`dynamo_lite.registrar`).
+as success (`dynamo_lite.routing.registrar`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable
 
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
-from dynamo_lite.registrar import IndexedRank, Registrar, TrackerWorker
+from dynamo_lite.routing.registrar import IndexedRank, Registrar, TrackerWorker
 
 from .endpoint import PoolEndpoint, RankKey
 

@@ -24,19 +24,19 @@ from typing import Any, Protocol
 
 from prometheus_client.registry import Collector
 
+from dynamo_lite.base.errors import NotFound, ServiceError
 from dynamo_lite.client import (
     AsyncIndexerClient,
     AsyncSlotTrackerClient,
     RankLoad,
     ServiceStatusError,
 )
-from dynamo_lite.errors import NotFound, ServiceError
 from dynamo_lite.indexer.core import Indexer
 from dynamo_lite.indexer.listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners, Subscription
 from dynamo_lite.indexer.metrics import ListenerCollector
-from dynamo_lite.reconcile import Registry
-from dynamo_lite.registrar import INDEXER, SLOT_TRACKER, IndexedRank, TrackerWorker
 from dynamo_lite.routing import RankReadings, read_ranks
+from dynamo_lite.routing.reconcile import Registry
+from dynamo_lite.routing.registrar import INDEXER, SLOT_TRACKER, IndexedRank, TrackerWorker
 from dynamo_lite.slot_tracker.core import DEFAULT_REQUEST_TTL_SECS, SlotTracker
 from dynamo_lite.slot_tracker.metrics import SlotTrackerCollector
 

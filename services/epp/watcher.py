@@ -1,7 +1,7 @@
 """The pool watcher: the picker's current pool, kept in step with its file and registered.
 
 Each turn re-reads the file when it changed; a new pool becomes the wanted registrations of two
-`dynamo_lite.reconcile.Reconciler`s (the slot tracker's and the indexer's), and a reconcile pass
+`dynamo_lite.routing.reconcile.Reconciler`s (the slot tracker's and the indexer's), and a reconcile pass
 runs whenever the pool changed, the last pass did not converge (a service down, a conflict), or
 every `verify_interval` seconds (a service that restarted without its state gets it again). The
 watcher keeps no registration state of its own: each pass starts from what the services list.
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from dynamo_lite.reconcile import Outcome, Reconciler, Registry
-from dynamo_lite.registrar import IndexedRank, TrackerWorker
+from dynamo_lite.routing.reconcile import Outcome, Reconciler, Registry
+from dynamo_lite.routing.registrar import IndexedRank, TrackerWorker
 
 from .endpoint import PoolEndpoint, RankKey
 from .pool_file import PoolError, load_pool

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from dynamo_lite.cli import (
+from dynamo_lite.base.errors import InvalidArgument
+from dynamo_lite.base.integers import U32_MAX, U64_MAX
+from dynamo_lite.durability.nats_connection import NatsSecurity, add_nats_arguments
+from dynamo_lite.web.cli import (
     YOUNG_ONLY_GC_THRESHOLDS,
     add_recovery_arguments,
     add_security_arguments,
@@ -19,9 +22,6 @@ from dynamo_lite.cli import (
     serve,
     service_parser,
 )
-from dynamo_lite.errors import InvalidArgument
-from dynamo_lite.integers import U32_MAX, U64_MAX
-from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_APPROX_MAX_BLOCKS, DEFAULT_APPROX_TTL_SECS, IndexerConfig, create_app
 from .endpoints import EndpointRules

@@ -24,12 +24,12 @@ from typing import Any, Union
 
 from msgspec import UNSET, UnsetType
 
-from dynamo_lite import http, validation
-from dynamo_lite.auth import Access
-from dynamo_lite.credentials import ClientCredentials
-from dynamo_lite.errors import AlreadyRegistered, InvalidArgument, InvalidShape
-from dynamo_lite.http import HandlerResult, QueryParams
-from dynamo_lite.validation import I64, U32, U64, RequestBody, tenant_of
+from dynamo_lite.base.errors import AlreadyRegistered, InvalidArgument, InvalidShape
+from dynamo_lite.web import http, validation
+from dynamo_lite.web.auth import Access
+from dynamo_lite.web.credentials import ClientCredentials
+from dynamo_lite.web.http import HandlerResult, QueryParams
+from dynamo_lite.web.validation import I64, U32, U64, RequestBody, tenant_of
 
 from . import replication
 from .answers import query_answer
@@ -57,7 +57,7 @@ _FILTERS = frozenset({"model_name", "tenant_id", "routing_group"})
 Tenant = Union[str, UnsetType]
 
 
-# --- request types: the schema of each POST body (see `dynamo_lite.validation.RequestBody`) ----
+# --- request types: the schema of each POST body (see `dynamo_lite.web.validation.RequestBody`) ----
 # Fields are declared in the order Dynamo checks them, so the first problem a body has is the one
 # reported; `routing_group` is `tenant_id`'s input alias, checked with it.
 
@@ -330,7 +330,7 @@ async def _expire_approximations(indexer: Indexer, interval_secs: float) -> None
 
 async def _collect_garbage(interval_secs: float) -> None:
     """A full garbage collection every `interval_secs`: the process collects only young objects
-    on its own (see `dynamo_lite.cli.tune_garbage_collector`)."""
+    on its own (see `dynamo_lite.web.cli.tune_garbage_collector`)."""
     while True:
         await asyncio.sleep(interval_secs)
         started = time.perf_counter()

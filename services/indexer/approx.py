@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from itertools import chain, islice, repeat
 from operator import itemgetter, or_
 
+from dynamo_lite.base.integers import U64_MASK
 from dynamo_lite.hashing import sequence_hashes, to_unsigned_list
 from dynamo_lite.indexer.protocols import Approximation, Stored
 from dynamo_lite.indexer.tree import MatchResult, PrefixTree, StoreStatus, WorkerKey
-from dynamo_lite.integers import U64_MASK
 
 DEFAULT_TTL_SECS = 120.0  # Dynamo's approximate-mode TTL
 DEFAULT_MAX_BLOCKS = 2**20  # Dynamo's --router-max-tree-size default

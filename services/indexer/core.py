@@ -22,7 +22,7 @@ while some rank of it has approximations, so exact partitions pay nothing for th
 `source` says how it is indexed: `events` (it has an engine subscription or has had an event),
 `approximate` (only approximations so far), `none` (registered, nothing yet).
 
-Errors are `dynamo_lite.errors` kinds only; mapping them to HTTP is the shell's job.
+Errors are `dynamo_lite.base.errors` kinds only; mapping them to HTTP is the shell's job.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from dynamo_lite.errors import AlreadyRegistered, Conflict, InvalidArgument, InvalidShape, NotFound
+from dynamo_lite.base.errors import AlreadyRegistered, Conflict, InvalidArgument, InvalidShape, NotFound
 from dynamo_lite.hashing import local_block_hashes
 from dynamo_lite.indexer.approx import DEFAULT_MAX_BLOCKS, DEFAULT_TTL_SECS, Approximations, ApproxTotals, RoutedReport
 from dynamo_lite.indexer.partitions import (

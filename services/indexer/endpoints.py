@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Final, Union
 
-from dynamo_lite.errors import InvalidArgument
+from dynamo_lite.base.errors import InvalidArgument
 
 from .listeners import _TCP as TCP_ENDPOINT  # the form `validate_endpoint` accepts
 

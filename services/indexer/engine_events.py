@@ -42,8 +42,8 @@ from typing import Any, Final, Union, cast
 
 import msgspec
 
+from dynamo_lite.base.integers import I64_MIN, U64_MASK
 from dynamo_lite.hashing import local_block_hashes, local_block_hashes_with_media
-from dynamo_lite.integers import I64_MIN, U64_MASK
 
 from .protocols import CLEARED, EventData, Removed, RouterEvent, StorageTier, Stored
 

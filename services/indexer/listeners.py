@@ -65,7 +65,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from dynamo_lite.errors import InvalidArgument, NotFound
+from dynamo_lite.base.errors import InvalidArgument, NotFound
 
 from .core import ApplyReport, Indexer
 from .engine_events import DecodedBatch, MalformedBatch, decode_batch

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Final
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dynamo_lite.metrics import PREFIX
+from dynamo_lite.web.metrics import PREFIX
 
 from .core import Indexer
 from .engine_events import IGNORE_REASONS
@@ -155,7 +155,7 @@ class ReplicationCollector(Collector):
         self.replica = replica
 
     def collect(self) -> Iterator[Metric]:
-        from dynamo_lite.nats_connection import NatsCollector
+        from dynamo_lite.durability.nats_connection import NatsCollector
 
         replica = self.replica
         for name, text in _COUNTER_HELP.items():

@@ -55,9 +55,9 @@ from nats.js.api import (
 )
 from nats.js.object_store import ObjectStore
 
-from dynamo_lite.errors import PayloadTooLarge, ServiceError, Unavailable
-from dynamo_lite.nats_connection import ConnectionCounts, NatsSecurity, connect, flush
-from dynamo_lite.snapshots import SnapshotError
+from dynamo_lite.base.errors import PayloadTooLarge, ServiceError, Unavailable
+from dynamo_lite.durability.nats_connection import ConnectionCounts, NatsSecurity, connect, flush
+from dynamo_lite.durability.snapshots import SnapshotError
 
 from . import replication
 from .core import Indexer

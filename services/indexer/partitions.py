@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from dynamo_lite.errors import AlreadyRegistered, Conflict, InvalidArgument, NotFound
+from dynamo_lite.base.errors import AlreadyRegistered, Conflict, InvalidArgument, NotFound
 from dynamo_lite.indexer.approx import Approximations, ApproxTotals
 from dynamo_lite.indexer.tree import PrefixTree, WorkerKey
 

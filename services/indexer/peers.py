@@ -7,9 +7,9 @@ ours also carries the approximations (`/routed`), which keep the TTL they have l
 
 from __future__ import annotations
 
-from dynamo_lite.credentials import ClientCredentials
-from dynamo_lite.errors import NotFound
-from dynamo_lite.peers import recover as recover_from_peers
+from dynamo_lite.base.errors import NotFound
+from dynamo_lite.durability.peers import recover as recover_from_peers
+from dynamo_lite.web.credentials import ClientCredentials
 
 from .core import Indexer
 from .protocols import decode_events_document

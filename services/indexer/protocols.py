@@ -48,10 +48,10 @@ import msgspec
 import orjson
 from msgspec import UNSET, UnsetType
 
-from dynamo_lite.errors import InvalidShape
+from dynamo_lite.base.errors import InvalidShape
+from dynamo_lite.base.integers import I64_MIN, U64_MAX
 from dynamo_lite.hashing import to_unsigned, to_unsigned_list
-from dynamo_lite.integers import I64_MIN, U64_MAX
-from dynamo_lite.validation import U32, U64, decode_json, describe, expected, explain, refused
+from dynamo_lite.web.validation import U32, U64, decode_json, describe, expected, explain, refused
 
 StorageTier = Literal["device", "host_pinned", "disk", "external"]
 DEVICE: Final = "device"

@@ -32,7 +32,7 @@ import msgspec
 import orjson
 import xxhash
 
-from dynamo_lite.errors import ServiceError
+from dynamo_lite.base.errors import ServiceError
 
 from .core import ApplyReport, Indexer, RankState
 from .engine_events import MalformedBatch, decode_batch

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import orjson
 
-from dynamo_lite.errors import MalformedRequest, ServiceError
+from dynamo_lite.base.errors import MalformedRequest, ServiceError
 
 # The file handling is shared with the slot tracker's snapshots ("X as X": also this module's).
-from dynamo_lite.snapshots import SnapshotError as SnapshotError
-from dynamo_lite.snapshots import Snapshots as ServiceSnapshots
-from dynamo_lite.snapshots import read_file
-from dynamo_lite.snapshots import write_atomically as write_atomically
-from dynamo_lite.validation import JSON_FAILURE
+from dynamo_lite.durability.snapshots import SnapshotError as SnapshotError
+from dynamo_lite.durability.snapshots import Snapshots as ServiceSnapshots
+from dynamo_lite.durability.snapshots import read_file
+from dynamo_lite.durability.snapshots import write_atomically as write_atomically
+from dynamo_lite.web.validation import JSON_FAILURE
 
 from .core import ApplyReport, Indexer
 from .protocols import PartitionEvents, approximation_to_json, decode_events_document, event_to_json

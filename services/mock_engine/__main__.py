@@ -7,10 +7,10 @@ import argparse
 import logging
 import os
 
-from dynamo_lite.cli import configure_logging, non_negative_float, parse_args, positive_float, serve, service_parser
+from dynamo_lite.base.timing import DECODE_SECS_PER_RUNNING, DECODE_STEP_SECS, PREFILL_SECS_PER_TOKEN, TimingModel
 from dynamo_lite.kv_publishers import WireFormat
-from dynamo_lite.timing import DECODE_SECS_PER_RUNNING, DECODE_STEP_SECS, PREFILL_SECS_PER_TOKEN, TimingModel
-from dynamo_lite.tokenizer import Tokenizer, TokenizerError
+from dynamo_lite.routing.tokenizer import Tokenizer, TokenizerError
+from dynamo_lite.web.cli import configure_logging, non_negative_float, parse_args, positive_float, serve, service_parser
 
 from .app import create_app
 from .engine import EngineConfig, KvEventsConfig, KvEventsConfigError
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ranks behind this one server, each with its own cache; rank r publishes on the "
                        "KV events ports + r and writes r as data_parallel_rank")
     timing = parser.add_argument_group(
-        "timing model (defaults: Llama 3.1 8B on one H100, see dynamo_lite/timing.py)")
+        "timing model (defaults: Llama 3.1 8B on one H100, see dynamo_lite/base/timing.py)")
     timing.add_argument("--prefill-secs-per-token", type=non_negative_float, default=PREFILL_SECS_PER_TOKEN,
                         help="prefill time per uncached prompt token")
     timing.add_argument("--decode-step-secs", type=non_negative_float, default=DECODE_STEP_SECS,

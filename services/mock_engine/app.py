@@ -29,9 +29,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.routing import Route
 
-from dynamo_lite import http
-from dynamo_lite.http import Answer, Headers, HeadersEndpoint, StreamAnswer, find_header
-from dynamo_lite.tokenizer import Tokenizer, TokenizerError
+from dynamo_lite.routing.tokenizer import Tokenizer, TokenizerError
+from dynamo_lite.web import http
+from dynamo_lite.web.http import Answer, Headers, HeadersEndpoint, StreamAnswer, find_header
 
 from .engine import EngineConfig, MockEngine, Rank, RequestStream
 from .kv_transfer import (

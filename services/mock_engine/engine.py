@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynamo_lite.base.timing import TimingModel
 from dynamo_lite.hashing import to_signed
 from dynamo_lite.kv_publishers import BlockHash, EnginePublisher, Event, Removed, Stored, WireFormat
-from dynamo_lite.timing import TimingModel
 
 from .cache import PrefixCache
 from .kv_transfer import KvTransferConfig, TransferModel

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo_lite.tokenizer import Tokenizer, TokenizerError
+from dynamo_lite.routing.tokenizer import Tokenizer, TokenizerError
 
 # OpenAI's (and vLLM's) default for the legacy completions API.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dynamo_lite.timing import TimingModel
+from dynamo_lite.base.timing import TimingModel
 
 from .cache import CacheFull, PrefixCache, Sequence_
 

@@ -7,7 +7,7 @@ import argparse
 import logging
 from urllib.parse import urlsplit
 
-from dynamo_lite.cli import configure_logging, parse_args, positive_float, serve, service_parser
+from dynamo_lite.web.cli import configure_logging, parse_args, positive_float, serve, service_parser
 
 from .app import DEFAULT_PREFILL_TIMEOUT_SECS, create_app
 

@@ -40,8 +40,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import Route
 
-from dynamo_lite import http
-from dynamo_lite.http import Answer, Headers, HeadersEndpoint, StreamAnswer, find_header
+from dynamo_lite.web import http
+from dynamo_lite.web.http import Answer, Headers, HeadersEndpoint, StreamAnswer, find_header
 
 logger = logging.getLogger("dynamo_lite.pd_sidecar")
 

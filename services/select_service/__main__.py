@@ -6,7 +6,11 @@ import argparse
 import logging
 from pathlib import Path
 
-from dynamo_lite.cli import (
+from dynamo_lite.durability.nats_connection import NatsSecurity, add_nats_arguments
+from dynamo_lite.indexer.listeners import DEFAULT_REPLAY_TIMEOUT_SECS
+from dynamo_lite.routing.scheduling import SchedulerConfigError
+from dynamo_lite.routing.scheduling.flags import add_scheduling_arguments, scheduler_config
+from dynamo_lite.web.cli import (
     add_security_arguments,
     check_security_arguments,
     configure_logging,
@@ -19,10 +23,6 @@ from dynamo_lite.cli import (
     serve,
     service_parser,
 )
-from dynamo_lite.indexer.listeners import DEFAULT_REPLAY_TIMEOUT_SECS
-from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
-from dynamo_lite.scheduling import SchedulerConfigError
-from dynamo_lite.scheduling.flags import add_scheduling_arguments, scheduler_config
 
 from .affinity import MAX_TTL_SECS, MIN_TTL_SECS
 from .app import DEFAULT_RECOVERY_DEADLINE_SECS, SelectServiceConfig, create_app, load_workers

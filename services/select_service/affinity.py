@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dynamo_lite.errors import InvalidArgument
+from dynamo_lite.base.errors import InvalidArgument
 
 MAX_SESSION_ID_BYTES = 256
 MAX_SESSIONS_PER_PARTITION = 65_536

@@ -21,17 +21,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.routing import Route
 
-from dynamo_lite import http
-from dynamo_lite.auth import Access
+from dynamo_lite.base.errors import InvalidArgument, NotFound, ServiceError
+from dynamo_lite.base.integers import U64_MAX
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
-from dynamo_lite.credentials import ClientCredentials
-from dynamo_lite.errors import InvalidArgument, NotFound, ServiceError
-from dynamo_lite.http import Answer, HandlerResult, LaterResult, PathParams, QueryParams
 from dynamo_lite.indexer.listeners import DEFAULT_REPLAY_TIMEOUT_SECS, Listeners
 from dynamo_lite.indexer.metrics import ListenerCollector
 from dynamo_lite.indexer.peers import recover
-from dynamo_lite.integers import U64_MAX
-from dynamo_lite.metrics import PREFIX
+from dynamo_lite.web import http
+from dynamo_lite.web.auth import Access
+from dynamo_lite.web.credentials import ClientCredentials
+from dynamo_lite.web.http import Answer, HandlerResult, LaterResult, PathParams, QueryParams
+from dynamo_lite.web.metrics import PREFIX
 
 from .core import (
     ListenerChanges,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from dynamo_lite.integers import U32_MAX
+from dynamo_lite.base.integers import U32_MAX
 
 from .protocols import WorkerFields, WorkerRequest
 

@@ -2,7 +2,7 @@
 
 Built on the cores of the other two services, in the same process: an `Indexer` (which ranks
 cache which prompt blocks, fed by the engines' KV events) and a `SlotTracker` (the load booked
-on each rank), plus the `Scheduler` of `dynamo_lite.scheduling`, which decides. It adds what
+on each rank), plus the `Scheduler` of `dynamo_lite.routing.scheduling`, which decides. It adds what
 Dynamo's selection service has around them: a worker catalog (`catalog`), pending selections
 (`pending`), session affinity (`affinity`) and the reservations in flight.
 
@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_lite.errors import Conflict, InvalidArgument, NotFound, ServiceError
+from dynamo_lite.base.errors import Conflict, InvalidArgument, NotFound, ServiceError
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed_list
 from dynamo_lite.indexer.core import Indexer, QueryResult
 from dynamo_lite.indexer.listeners import Subscription
-from dynamo_lite.registrar import IndexedRank, TrackerWorker
-from dynamo_lite.scheduling import (
+from dynamo_lite.routing.registrar import IndexedRank, TrackerWorker
+from dynamo_lite.routing.scheduling import (
     AllBusy,
     NoWorkerAvailable,
     RankCost,
@@ -44,7 +44,7 @@ from dynamo_lite.scheduling import (
     Selection,
     ttft_config,
 )
-from dynamo_lite.scheduling.model import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from dynamo_lite.routing.scheduling.model import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dynamo_lite.slot_tracker.core import SlotTracker
 from dynamo_lite.slot_tracker.protocols import AGGREGATED, PREFILL
 

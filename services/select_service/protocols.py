@@ -19,9 +19,9 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from dynamo_lite.errors import InvalidArgument, InvalidShape
-from dynamo_lite.integers import U64_MAX
-from dynamo_lite.validation import I64, U32, U64, decode_json, tenant_of
+from dynamo_lite.base.errors import InvalidArgument, InvalidShape
+from dynamo_lite.base.integers import U64_MAX
+from dynamo_lite.web.validation import I64, U32, U64, decode_json, tenant_of
 
 F64 = float
 MAX_DP_SIZE = 4096  # Dynamo's bound on a worker's data-parallel ranks

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+from dynamo_lite.base.errors import Conflict, NotFound
 from dynamo_lite.client import (
     AsyncIndexerClient,
     AsyncSlotTrackerClient,
@@ -30,10 +31,9 @@ from dynamo_lite.client import (
     ServiceCallError,
     ServiceStatusError,
 )
-from dynamo_lite.errors import Conflict, NotFound
 from dynamo_lite.hashing import to_signed_list
 from dynamo_lite.indexer.core import QueryResult
-from dynamo_lite.registrar import INDEXER, SLOT_TRACKER, IndexedRank, Registrar, TrackerWorker
+from dynamo_lite.routing.registrar import INDEXER, SLOT_TRACKER, IndexedRank, Registrar, TrackerWorker
 
 from .core import ListenerChanges, NotReady, Partition, Prompt, Readings, Reservation, SelectionCore
 

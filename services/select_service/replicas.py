@@ -44,8 +44,8 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dynamo_lite.errors import ServiceError
-from dynamo_lite.nats_connection import ConnectionCounts, NatsCollector, NatsSecurity, connect
+from dynamo_lite.base.errors import ServiceError
+from dynamo_lite.durability.nats_connection import ConnectionCounts, NatsCollector, NatsSecurity, connect
 
 from .core import Partition, Reservation, SelectionCore
 from .protocols import WorkerRequest, reader

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from dynamo_lite.cli import (
+from dynamo_lite.durability.nats_connection import NatsSecurity, add_nats_arguments
+from dynamo_lite.web.cli import (
     add_recovery_arguments,
     add_security_arguments,
     check_security_arguments,
@@ -17,7 +18,6 @@ from dynamo_lite.cli import (
     serve,
     service_parser,
 )
-from dynamo_lite.nats_connection import NatsSecurity, add_nats_arguments
 
 from .app import DEFAULT_SNAPSHOT_INTERVAL_SECS, SlotTrackerConfig, create_app
 from .core import DEFAULT_REQUEST_TTL_SECS

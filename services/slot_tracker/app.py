@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Union
 
 from msgspec import UNSET, UnsetType
 
-from dynamo_lite import http, validation
-from dynamo_lite.auth import Access
-from dynamo_lite.credentials import ClientCredentials
-from dynamo_lite.http import HandlerResult, QueryParams
-from dynamo_lite.validation import I64, U32, U64, RequestBody, tenant_of
+from dynamo_lite.web import http, validation
+from dynamo_lite.web.auth import Access
+from dynamo_lite.web.credentials import ClientCredentials
+from dynamo_lite.web.http import HandlerResult, QueryParams
+from dynamo_lite.web.validation import I64, U32, U64, RequestBody, tenant_of
 
 from .core import DEFAULT_REQUEST_TTL_SECS, SlotTracker
 from .metrics import SlotTrackerCollector
@@ -56,7 +56,7 @@ _LOADS_CACHE_SIZE = 64
 Tenant = Union[str, UnsetType]
 
 
-# --- request types: the schema of each POST body (see `dynamo_lite.validation.RequestBody`) ----
+# --- request types: the schema of each POST body (see `dynamo_lite.web.validation.RequestBody`) ----
 # Fields are declared in the order Dynamo checks them, so the first problem a body has is the one
 # reported; `routing_group` is `tenant_id`'s input alias, checked with it.
 

@@ -62,8 +62,8 @@ from typing import Any
 
 from sortedcontainers import SortedDict
 
-from dynamo_lite.errors import AlreadyRegistered, Conflict, InvalidArgument, NotFound, ServiceError
-from dynamo_lite.integers import U32_MAX
+from dynamo_lite.base.errors import AlreadyRegistered, Conflict, InvalidArgument, NotFound, ServiceError
+from dynamo_lite.base.integers import U32_MAX
 
 from .protocols import (
     AGGREGATED,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dynamo_lite.metrics import PREFIX
+from dynamo_lite.web.metrics import PREFIX
 
 from .core import SlotTracker
 
@@ -81,7 +81,7 @@ class ReplicationCollector(Collector):
         self.sync = sync
 
     def collect(self) -> Iterator[Metric]:
-        from dynamo_lite.nats_connection import NatsCollector
+        from dynamo_lite.durability.nats_connection import NatsCollector
 
         from .replication import DELAY_BUCKETS
 

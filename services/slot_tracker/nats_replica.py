@@ -56,8 +56,8 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from dynamo_lite.errors import PayloadTooLarge
-from dynamo_lite.nats_connection import ConnectionCounts, NatsSecurity, connect, flush
+from dynamo_lite.base.errors import PayloadTooLarge
+from dynamo_lite.durability.nats_connection import ConnectionCounts, NatsSecurity, connect, flush
 
 from .protocols import SlotTrackerDump
 from .replication import (

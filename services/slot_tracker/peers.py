@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dynamo_lite.credentials import ClientCredentials
-from dynamo_lite.peers import recover as recover_from_peers
+from dynamo_lite.durability.peers import recover as recover_from_peers
+from dynamo_lite.web.credentials import ClientCredentials
 
 from .core import SlotTracker
 from .snapshot import EMPTY, decode, describe_restore

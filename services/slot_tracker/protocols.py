@@ -11,7 +11,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from dynamo_lite.validation import I64, U32, U64
+from dynamo_lite.web.validation import I64, U32, U64
 
 # A worker's role (`/register`): a prefill worker hands each request to a decode worker at its
 # first token, so only its prefill tokens are tracked; decode and aggregated workers are alike here.

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo_lite.errors import ServiceError
+from dynamo_lite.base.errors import ServiceError
 
 from .core import SlotTracker
 from .merge import (

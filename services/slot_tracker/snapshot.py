@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import msgspec
 
-from dynamo_lite.errors import ServiceError
-from dynamo_lite.snapshots import SnapshotError, Snapshots, read_file
+from dynamo_lite.base.errors import ServiceError
+from dynamo_lite.durability.snapshots import SnapshotError, Snapshots, read_file
 
 from .core import RestoreReport, SlotTracker
 from .protocols import SlotTrackerDump

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from dynamo_lite.cli import HelpFormatter, add_client_arguments, client_credentials_from
 from dynamo_lite.client import ServiceCallError
-from dynamo_lite.scheduling import COSTS, SchedulerConfig, SchedulerConfigError, dynamo_config, load_config, preset
+from dynamo_lite.routing.scheduling import COSTS, SchedulerConfig, SchedulerConfigError, dynamo_config, load_config, preset
+from dynamo_lite.web.cli import HelpFormatter, add_client_arguments, client_credentials_from
 
 from .bound import fleet_lru_bound
 from .calls import LatencyRecorder, service_clients

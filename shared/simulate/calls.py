@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
-from dynamo_lite.credentials import ClientCredentials
+from dynamo_lite.web.credentials import ClientCredentials
 
 DEFAULT_TIMEOUT_SECS = 30.0  # an /events batch after a burst of evictions can be large
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo_lite.timing import TimingModel
+from dynamo_lite.base.timing import TimingModel
 
 RankKey = tuple[int, int]  # (worker_id, dp_rank)
 RouterEventJson = dict[str, Any]

@@ -28,7 +28,7 @@ from typing import Final
 from dynamo_lite.client import AsyncIndexerClient, AsyncSlotTrackerClient
 from dynamo_lite.hashing import to_signed_list
 from dynamo_lite.routing import Decision, KvRouter
-from dynamo_lite.scheduling import SchedulerConfig
+from dynamo_lite.routing.scheduling import SchedulerConfig
 
 from .fleet import RankKey
 from .trace import SimRequest

@@ -10,7 +10,7 @@ stand-ins) on the real clock; this runs the same parts' cores on a simulated one
   what the indexer knows once the KV events arrive) and the slot tracker's `/potential_loads`
   (the pure `dynamo_lite.slot_tracker.core.SlotTracker`, fed `/add`, `/prefill_complete`,
   `/output_blocks` and `/free` exactly as the picker's bookings feed it);
-* `SchedulerRouter` runs the scheduling cycle (`dynamo_lite.scheduling.Scheduler`) the picker
+* `SchedulerRouter` runs the scheduling cycle (`dynamo_lite.routing.scheduling.Scheduler`) the picker
   runs, and feeds it what the picker feeds it (the booking, the first token, the end);
   `RoundRobinRouter` and `LeastRequestRouter` do what Envoy's ROUND_ROBIN and LEAST_REQUEST do
   (the latter: the fewer active requests of two ranks drawn at random).
@@ -33,13 +33,13 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dynamo_lite.base.timing import TimingModel
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed_list
 from dynamo_lite.mock_engine.cache import PrefixCache
 from dynamo_lite.mock_engine.scheduler import EngineRequest, Scheduler, Step
-from dynamo_lite.scheduling import RankInfo, RankState, SchedulerConfig, SchedulingRequest, Selection
-from dynamo_lite.scheduling import Scheduler as Cycle
+from dynamo_lite.routing.scheduling import RankInfo, RankState, SchedulerConfig, SchedulingRequest, Selection
+from dynamo_lite.routing.scheduling import Scheduler as Cycle
 from dynamo_lite.slot_tracker.core import SlotTracker
-from dynamo_lite.timing import TimingModel
 
 from .calls import percentile
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from dynamo_lite.cli import HelpFormatter, invoked_as, non_negative_float, port_number
+from dynamo_lite.web.cli import HelpFormatter, invoked_as, non_negative_float, port_number
 
 from .envoy import EnvoySettings, envoy_binary
 from .processes import LOOPBACK, Process, StackError, port_taken

@@ -38,8 +38,8 @@ from typing import Any, Union
 
 import zmq
 
+from dynamo_lite.base.integers import U64_MASK
 from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed
-from dynamo_lite.integers import U64_MASK
 from dynamo_lite.kv_publishers import Cleared, EnginePublisher, Removed, Stored, WireFormat, encode_batch
 
 MEDIUM_TIER: dict[str | None, str] = {None: "device", "GPU": "device", "CPU": "host_pinned", "DISK": "disk"}

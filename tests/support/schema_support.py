@@ -14,7 +14,7 @@ from hypothesis.errors import FlakyStrategyDefinition
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from dynamo_lite.auth import ApiKeys
+from dynamo_lite.web.auth import ApiKeys
 
 OPENAPI_DIR = Path(__file__).resolve().parents[2] / "openapi"
 

@@ -1,4 +1,4 @@
-"""An in-process dynamo_lite.http server on a thread, serving a small app with waiting (awaited) answers."""
+"""An in-process dynamo_lite.web.http server on a thread, serving a small app with waiting (awaited) answers."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import orjson
 
-from dynamo_lite import http
-from dynamo_lite.errors import Conflict
-from dynamo_lite.server import ConnectionLimits, HttpServer
+from dynamo_lite.base.errors import Conflict
+from dynamo_lite.web import http
+from dynamo_lite.web.server import ConnectionLimits, HttpServer
 
 
 def make_app() -> http.Service:

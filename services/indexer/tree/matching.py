@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dynamo_lite.base.integers import U64_MODULUS
 from dynamo_lite.hashing import to_unsigned_list
 from dynamo_lite.indexer.tree.lower import match_lower
 from dynamo_lite.indexer.tree.nodes import Chain, Node, consume
 from dynamo_lite.indexer.tree.runs import Run, Stop, common, settle_run
-from dynamo_lite.integers import U64_MODULUS
 
 if TYPE_CHECKING:
     from dynamo_lite.indexer.tree.prefix_tree import PrefixTree

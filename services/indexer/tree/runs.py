@@ -23,8 +23,8 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Union
 
+from dynamo_lite.base.integers import I64_MAX, U64_MODULUS
 from dynamo_lite.indexer.tree.nodes import Chain, Node
-from dynamo_lite.integers import I64_MAX, U64_MODULUS
 
 # Queries make runs of at least this many nodes (shorter stretches are walked node by node).
 MIN_RUN = 8

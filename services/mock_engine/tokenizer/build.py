@@ -1,7 +1,7 @@
 """Rebuild the shipped tokenizer: `python services/mock_engine/tokenizer/build.py`.
 
 Writes `tokenizer.json` and `tokenizer_config.json` next to this script, the two files a Hugging
-Face tokenizer directory needs, so `dynamo_lite.tokenizer.Tokenizer.load()` (and transformers'
+Face tokenizer directory needs, so `dynamo_lite.routing.tokenizer.Tokenizer.load()` (and transformers'
 `AutoTokenizer.from_pretrained`) can read it without a download.
 
 Why a tokenizer of our own: the engine stand-in and the endpoint picker must agree token for token,

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dynamo_lite.timing import TimingModel
+from dynamo_lite.base.timing import TimingModel
 
 from .model import RankKey
 

@@ -1,6 +1,8 @@
-"""The sync clients' route methods. Generated from _async_client.py: do not edit.
+"""The async clients' route methods: the one source of both clients' methods.
 
-Change `shared/_async_client.py`, then run `python scripts/generate_sync_client.py`.
+`scripts/generate_sync_client.py` writes `_sync_client.py` from this file (`async def` becomes
+`def`, `await` goes, `Async` leaves the names); `tests/test_client.py` fails when that file is
+stale. Edit here, then run the script.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
+
+from dynamo_lite.slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
 from ._client_base import (
     DEFAULT_TENANT,
@@ -25,7 +29,7 @@ from ._client_base import (
     OverlapScores,
     RoutedReport,
     ServiceStatusError,
-    _ServiceClient,
+    _AsyncServiceClient,
     filters,
 )
 from ._select_types import (
@@ -48,20 +52,19 @@ from ._select_types import (
     select_filters,
     worker_fields,
 )
-from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
 
-class SlotTrackerClient(_ServiceClient):
+class AsyncSlotTrackerClient(_AsyncServiceClient):
     """Client of the slot tracker (active requests and load per rank): one method per route.
 
-    Use it as `with SlotTrackerClient(url) as tracker:`, or call `close()` at the
+    Use it as `async with AsyncSlotTrackerClient(url) as tracker:`, or call `aclose()` at the
     end. Without a `base_url` it calls `DEFAULT_URL`; the constructor's other arguments are the
     same for every client (see `dynamo_lite.client`).
     """
 
     DEFAULT_URL = "http://127.0.0.1:8091"
 
-    def register(
+    async def register(
         self,
         worker_id: int,
         model_name: str,
@@ -85,21 +88,21 @@ class SlotTrackerClient(_ServiceClient):
         }
         if role != "aggregated":  # Dynamo's slot tracker takes no role
             body["role"] = role
-        self._transport.call("POST", "/register", body)
+        await self._transport.call("POST", "/register", body)
 
-    def unregister(self, worker_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+    async def unregister(self, worker_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
         """Remove a worker with its ranks and their active requests; 404 if it is not registered."""
-        self._transport.call(
+        await self._transport.call(
             "POST", "/unregister", {"worker_id": worker_id, "model_name": model_name, "tenant_id": tenant_id}
         )
 
-    def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
+    async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerInfo]:
         """The registered workers, optionally of one model and/or tenant only."""
-        workers: list[WorkerInfo] = self._transport.call("GET", "/workers", params=filters(model_name, tenant_id),
+        workers: list[WorkerInfo] = await self._transport.call("GET", "/workers", params=filters(model_name, tenant_id),
                                                                answer=WORKERS)
         return workers
 
-    def add(
+    async def add(
         self,
         model_name: str,
         request_id: str,
@@ -126,15 +129,15 @@ class SlotTrackerClient(_ServiceClient):
         }
         if expected_output_tokens is not None:
             body["expected_output_tokens"] = expected_output_tokens
-        self._transport.call("POST", "/add", body)
+        await self._transport.call("POST", "/add", body)
 
-    def prefill_complete(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+    async def prefill_complete(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
         """The request produced its first token: its prompt tokens stop counting as prefill load."""
-        self._transport.call(
+        await self._transport.call(
             "POST", "/prefill_complete", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
         )
 
-    def output_blocks(
+    async def output_blocks(
         self, model_name: str, request_id: str, output_blocks: int, *, tenant_id: str = DEFAULT_TENANT
     ) -> None:
         """The request has generated `output_blocks` full blocks so far (send it every `block_size`
@@ -143,24 +146,24 @@ class SlotTrackerClient(_ServiceClient):
         An absolute count, so a retry is harmless; 409 if it is smaller than the last one sent,
         404 if the request is not active (freed, expired, or its worker left).
         """
-        self._transport.call("POST", "/output_blocks", {
+        await self._transport.call("POST", "/output_blocks", {
             "model_name": model_name, "tenant_id": tenant_id, "request_id": request_id,
             "output_blocks": output_blocks,
         })
 
-    def free(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+    async def free(self, model_name: str, request_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
         """The request ended: drop it from its rank's load. Idempotent, so safe to retry."""
-        self._transport.call(
+        await self._transport.call(
             "POST", "/free", {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
         )
 
-    def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[RankLoad]:
+    async def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[RankLoad]:
         """Current load of every rank (idle ones too), optionally of one model and/or tenant."""
-        loads: list[RankLoad] = self._transport.call("GET", "/loads", params=filters(model_name, tenant_id),
+        loads: list[RankLoad] = await self._transport.call("GET", "/loads", params=filters(model_name, tenant_id),
                                                            answer=LOADS)
         return loads
 
-    def potential_loads(
+    async def potential_loads(
         self,
         model_name: str,
         sequence_hashes: Sequence[int],
@@ -173,30 +176,30 @@ class SlotTrackerClient(_ServiceClient):
         With `new_isl_tokens=0`, `potential_prefill_tokens` is the rank's active prefill, as
         `KvRouter` asks. 404 if no worker of the model is registered.
         """
-        loads: list[PotentialLoad] = self._transport.call("POST", "/potential_loads", {
+        loads: list[PotentialLoad] = await self._transport.call("POST", "/potential_loads", {
             "model_name": model_name, "tenant_id": tenant_id,
             "sequence_hashes": list(sequence_hashes), "new_isl_tokens": new_isl_tokens,
         }, answer=POTENTIAL_LOADS)
         return loads
 
-    def dump(self) -> dict[str, Any]:
+    async def dump(self) -> dict[str, Any]:
         """The whole state as a versioned document: every partition's workers and active requests
         with the TTL each has left, what `--snapshot` files hold and `--peers` start-up loads."""
-        document: dict[str, Any] = self._transport.call("GET", "/dump", answer=DOCUMENT)
+        document: dict[str, Any] = await self._transport.call("GET", "/dump", answer=DOCUMENT)
         return document
 
 
-class IndexerClient(_ServiceClient):
+class AsyncIndexerClient(_AsyncServiceClient):
     """Client of the KV-cache indexer (which blocks each rank holds): one method per route.
 
-    Use it as `with IndexerClient(url) as indexer:`, or call `close()` at the end.
+    Use it as `async with AsyncIndexerClient(url) as indexer:`, or call `aclose()` at the end.
     Without a `base_url` it calls `DEFAULT_URL`; the constructor's other arguments are the same
     for every client (see `dynamo_lite.client`).
     """
 
     DEFAULT_URL = "http://127.0.0.1:8090"
 
-    def register(
+    async def register(
         self,
         instance_id: int,
         model_name: str,
@@ -217,41 +220,41 @@ class IndexerClient(_ServiceClient):
             body["endpoint"] = endpoint
         if replay_endpoint is not None:
             body["replay_endpoint"] = replay_endpoint
-        self._transport.call("POST", "/register", body)
+        await self._transport.call("POST", "/register", body)
 
-    def unregister(
+    async def unregister(
         self, instance_id: int, model_name: str, *, tenant_id: str = DEFAULT_TENANT, dp_rank: int | None = None
     ) -> None:
         """Remove one rank, or every rank of the instance when `dp_rank` is None, with their blocks."""
         body: dict[str, Any] = {"instance_id": instance_id, "model_name": model_name, "tenant_id": tenant_id}
         if dp_rank is not None:
             body["dp_rank"] = dp_rank
-        self._transport.call("POST", "/unregister", body)
+        await self._transport.call("POST", "/unregister", body)
 
-    def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[IndexerWorker]:
+    async def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[IndexerWorker]:
         """The known instances with, per rank, how it is indexed, its block counts and event watermark."""
-        instances: list[IndexerWorker] = self._transport.call(
+        instances: list[IndexerWorker] = await self._transport.call(
             "GET", "/workers", params=filters(model_name, tenant_id), answer=INDEXER_WORKERS)
         return instances
 
-    def events(self, document: dict[str, Any]) -> IngestReport:
+    async def events(self, document: dict[str, Any]) -> IngestReport:
         """Post a `/dump`-shaped document of RouterEvents; returns the ingest report."""
-        report: IngestReport = self._transport.call("POST", "/events", document, answer=INGEST_REPORT)
+        report: IngestReport = await self._transport.call("POST", "/events", document, answer=INGEST_REPORT)
         return report
 
-    def query_by_hash(
+    async def query_by_hash(
         self, model_name: str, block_hashes: Sequence[int], *, tenant_id: str = DEFAULT_TENANT
     ) -> OverlapScores:
         """Cached tokens per rank for a prompt given as its local block hashes (signed i64).
 
         404 if nothing is registered or cached for the model yet.
         """
-        scores: OverlapScores = self._transport.call("POST", "/query_by_hash", {
+        scores: OverlapScores = await self._transport.call("POST", "/query_by_hash", {
             "model_name": model_name, "tenant_id": tenant_id, "block_hashes": list(block_hashes),
         }, answer=OVERLAP)
         return scores
 
-    def query(
+    async def query(
         self,
         model_name: str,
         token_ids: Sequence[int],
@@ -266,10 +269,10 @@ class IndexerClient(_ServiceClient):
             body["lora_name"] = lora_name
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        scores: OverlapScores = self._transport.call("POST", "/query", body, answer=OVERLAP)
+        scores: OverlapScores = await self._transport.call("POST", "/query", body, answer=OVERLAP)
         return scores
 
-    def routed(
+    async def routed(
         self,
         instance_id: int,
         model_name: str,
@@ -297,33 +300,33 @@ class IndexerClient(_ServiceClient):
             body["lora_name"] = lora_name
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        report: RoutedReport = self._transport.call("POST", "/routed", body, answer=ROUTED_REPORT)
+        report: RoutedReport = await self._transport.call("POST", "/routed", body, answer=ROUTED_REPORT)
         return report
 
-    def dump(self) -> dict[str, Any]:
+    async def dump(self) -> dict[str, Any]:
         """The whole index as an events document, which `events()` on another indexer ingests."""
-        document: dict[str, Any] = self._transport.call("GET", "/dump", answer=DOCUMENT)
+        document: dict[str, Any] = await self._transport.call("GET", "/dump", answer=DOCUMENT)
         return document
 
-    def peers(self) -> list[str]:
+    async def peers(self) -> list[str]:
         """The base URLs of the peer indexers this indexer knows (`--peers`, `register_peer`)."""
-        urls: list[str] = self._transport.call("GET", "/peers", answer=URLS)
+        urls: list[str] = await self._transport.call("GET", "/peers", answer=URLS)
         return urls
 
-    def register_peer(self, url: str) -> None:
+    async def register_peer(self, url: str) -> None:
         """Add a peer indexer's base URL to the list `peers()` returns."""
-        self._transport.call("POST", "/register_peer", {"url": url})
+        await self._transport.call("POST", "/register_peer", {"url": url})
 
-    def deregister_peer(self, url: str) -> None:
+    async def deregister_peer(self, url: str) -> None:
         """Remove a peer indexer's base URL; 404 if it is not in the list."""
-        self._transport.call("POST", "/deregister_peer", {"url": url})
+        await self._transport.call("POST", "/deregister_peer", {"url": url})
 
 
-class SelectClient(_ServiceClient):
+class AsyncSelectClient(_AsyncServiceClient):
     """Client of the selection service (one call per request picks and books a worker): one
     method per route.
 
-    Use it as `with SelectClient(url) as selector:`, or call `close()` at the end.
+    Use it as `async with AsyncSelectClient(url) as selector:`, or call `aclose()` at the end.
     Without a `base_url` it calls `DEFAULT_URL`; the constructor's other arguments are the same
     for every client (see `dynamo_lite.client`). A prompt is `token_ids`, or its hash form
     (`block_hashes`, `sequence_hashes` and `isl_tokens` together).
@@ -331,7 +334,7 @@ class SelectClient(_ServiceClient):
 
     DEFAULT_URL = "http://127.0.0.1:8092"
 
-    def upsert_worker(
+    async def upsert_worker(
         self,
         worker_id: int,
         *,
@@ -355,32 +358,32 @@ class SelectClient(_ServiceClient):
                                 **worker_fields(endpoint, block_size, kv_events_endpoint, kv_events_endpoints,
                                                 replay_endpoint, data_parallel_start_rank, data_parallel_size,
                                                 max_num_batched_tokens, total_kv_blocks), **fields}
-        record: WorkerRecord = self._transport.call("POST", "/workers", body, answer=WORKER_RECORD)
+        record: WorkerRecord = await self._transport.call("POST", "/workers", body, answer=WORKER_RECORD)
         return record
 
-    def patch_worker(self, worker_id: int, **fields: Any) -> WorkerRecord:
+    async def patch_worker(self, worker_id: int, **fields: Any) -> WorkerRecord:
         """Change the fields given (`endpoint=...`, `data_parallel_size=...`); the others stay."""
         if isinstance(fields.get("kv_events_endpoints"), dict):
             fields["kv_events_endpoints"] = {str(rank): url for rank, url in fields["kv_events_endpoints"].items()}
-        record: WorkerRecord = self._transport.call("PATCH", f"/workers/{worker_id}", fields,
+        record: WorkerRecord = await self._transport.call("PATCH", f"/workers/{worker_id}", fields,
                                                           answer=WORKER_RECORD)
         return record
 
-    def delete_worker(self, worker_id: int) -> WorkerRecord:
+    async def delete_worker(self, worker_id: int) -> WorkerRecord:
         """Remove a worker with its subscriptions, cached blocks and bookings; 404 if unknown."""
-        record: WorkerRecord = self._transport.call("DELETE", f"/workers/{worker_id}", answer=WORKER_RECORD)
+        record: WorkerRecord = await self._transport.call("DELETE", f"/workers/{worker_id}", answer=WORKER_RECORD)
         return record
 
-    def workers(self, model_name: str | None = None, routing_group: str | None = None) -> list[WorkerRecord]:
+    async def workers(self, model_name: str | None = None, routing_group: str | None = None) -> list[WorkerRecord]:
         """The catalog, sorted by (model_name, routing_group, worker_id)."""
-        records: list[WorkerRecord] = self._transport.call(
+        records: list[WorkerRecord] = await self._transport.call(
             "GET", "/workers", params=select_filters(model_name, routing_group), answer=WORKER_RECORDS)
         return records
 
-    def ready(self) -> Readiness:
+    async def ready(self) -> Readiness:
         """Whether a worker can be selected, with the catalog (the service's 503 is an answer here)."""
         try:
-            readiness: Readiness = self._transport.call("GET", "/ready", answer=READINESS)
+            readiness: Readiness = await self._transport.call("GET", "/ready", answer=READINESS)
         except ServiceStatusError as exc:
             answered = decode_readiness(exc.message) if exc.status == 503 else None
             if answered is None:
@@ -388,7 +391,7 @@ class SelectClient(_ServiceClient):
             return answered
         return readiness
 
-    def select(
+    async def select(
         self,
         model_name: str,
         token_ids: Sequence[int] | None = None,
@@ -411,10 +414,10 @@ class SelectClient(_ServiceClient):
                            lora_name, cache_salt, router_config_override)
         if selection_id is not None:
             body["selection_id"] = selection_id
-        selected: SelectedWorker = self._transport.call("POST", "/select", {**body, **fields}, answer=SELECTED)
+        selected: SelectedWorker = await self._transport.call("POST", "/select", {**body, **fields}, answer=SELECTED)
         return selected
 
-    def select_and_reserve(
+    async def select_and_reserve(
         self,
         model_name: str,
         token_ids: Sequence[int] | None = None,
@@ -436,11 +439,11 @@ class SelectClient(_ServiceClient):
                            lora_name, cache_salt, router_config_override)
         if selection_id is not None:
             body["selection_id"] = selection_id
-        selected: SelectedWorker = self._transport.call("POST", "/select_and_reserve", {**body, **fields},
+        selected: SelectedWorker = await self._transport.call("POST", "/select_and_reserve", {**body, **fields},
                                                               answer=SELECTED)
         return selected
 
-    def reserve(
+    async def reserve(
         self,
         selection_id: str,
         *,
@@ -463,50 +466,50 @@ class SelectClient(_ServiceClient):
             body["dp_rank"] = dp_rank
         if effective_prefill_tokens is not None:
             body["effective_prefill_tokens"] = effective_prefill_tokens
-        reservation: Reservation = self._transport.call("POST", "/reservations", {**body, **fields},
+        reservation: Reservation = await self._transport.call("POST", "/reservations", {**body, **fields},
                                                               answer=RESERVATION)
         return reservation
 
-    def prefill_complete(self, selection_id: str) -> None:
+    async def prefill_complete(self, selection_id: str) -> None:
         """The booking's first token came: its prompt stops counting as prefill load."""
-        self._transport.call("POST", f"/reservations/{quote(selection_id, safe='')}/prefill_complete")
+        await self._transport.call("POST", f"/reservations/{quote(selection_id, safe='')}/prefill_complete")
 
-    def output_block(self, selection_id: str, decay_fraction: float | None = None) -> None:
+    async def output_block(self, selection_id: str, decay_fraction: float | None = None) -> None:
         """One more output block; with `decay_fraction`, every output block weighs that much from now on."""
         body = {} if decay_fraction is None else {"decay_fraction": decay_fraction}
-        self._transport.call("POST", f"/reservations/{quote(selection_id, safe='')}/output_block", body)
+        await self._transport.call("POST", f"/reservations/{quote(selection_id, safe='')}/output_block", body)
 
-    def free(self, selection_id: str) -> None:
+    async def free(self, selection_id: str) -> None:
         """The request ended: its load is released; 404 if the booking is unknown (or freed)."""
-        self._transport.call("DELETE", f"/reservations/{quote(selection_id, safe='')}")
+        await self._transport.call("DELETE", f"/reservations/{quote(selection_id, safe='')}")
 
-    def loads(self, model_name: str | None = None, routing_group: str | None = None) -> list[PartitionLoads]:
+    async def loads(self, model_name: str | None = None, routing_group: str | None = None) -> list[PartitionLoads]:
         """Every schedulable rank's booked load, per partition."""
-        partitions: list[PartitionLoads] = self._transport.call(
+        partitions: list[PartitionLoads] = await self._transport.call(
             "GET", "/loads", params=select_filters(model_name, routing_group), answer=PARTITION_LOADS)
         return partitions
 
-    def potential_loads(
+    async def potential_loads(
         self, model_name: str, token_ids: Sequence[int] | None = None, *, routing_group: str = DEFAULT_TENANT,
         **fields: Any,
     ) -> list[PotentialLoad]:
         """Every schedulable rank's load with the prompt added there (prefill left and blocks)."""
         body = prompt_body(model_name, routing_group, token_ids, None, None, None, None, None, None)
-        rows: list[PotentialLoad] = self._transport.call("POST", "/potential_loads", {**body, **fields},
+        rows: list[PotentialLoad] = await self._transport.call("POST", "/potential_loads", {**body, **fields},
                                                                answer=SELECT_POTENTIAL_LOADS)
         return rows
 
-    def overlap_scores(
+    async def overlap_scores(
         self, model_name: str, token_ids: Sequence[int] | None = None, *, routing_group: str = DEFAULT_TENANT,
         **fields: Any,
     ) -> TieredOverlap:
         """The prompt's cached blocks on every schedulable rank, per tier."""
         body = prompt_body(model_name, routing_group, token_ids, None, None, None, None, None, None)
-        overlap: TieredOverlap = self._transport.call("POST", "/overlap_scores", {**body, **fields},
+        overlap: TieredOverlap = await self._transport.call("POST", "/overlap_scores", {**body, **fields},
                                                             answer=TIERED_OVERLAP)
         return overlap
 
-    def dump(self) -> dict[str, Any]:
+    async def dump(self) -> dict[str, Any]:
         """The index as an events document (what another selection service's `--indexer-peers` loads)."""
-        document: dict[str, Any] = self._transport.call("GET", "/dump", answer=DOCUMENT)
+        document: dict[str, Any] = await self._transport.call("GET", "/dump", answer=DOCUMENT)
         return document

@@ -11,7 +11,7 @@ Per LLM request a gateway makes two reads, concurrently, then one write:
    the returned `RequestHandle`); when the chosen rank's engine publishes no KV events, indexer
    `POST /routed` with the prompt's local hashes at the same time (approximate indexing).
 
-The choice is the scheduling cycle of `dynamo_lite.scheduling`, the one the endpoint picker and
+The choice is the scheduling cycle of `dynamo_lite.routing.scheduling`, the one the endpoint picker and
 the simulator run too. Its default cost predicts time: per rank, the seconds until the request's
 first token (the prefill queued there plus its own uncached tokens at the engine's prefill rate,
 plus the running decode batch's share of those steps) plus what its cache writes will cost later
@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .client import (
+from dynamo_lite.client import (
     AsyncIndexerClient,
     AsyncSlotTrackerClient,
     OverlapScores,
@@ -39,7 +39,8 @@ from .client import (
     ServiceCallError,
     ServiceStatusError,
 )
-from .hashing import local_block_hashes, sequence_hashes, to_signed_list
+from dynamo_lite.hashing import local_block_hashes, sequence_hashes, to_signed_list
+
 from .scheduling import (
     AllBusy,  # noqa: F401 - raised by select: importable from here, as it was
     BusyThresholds,
@@ -243,7 +244,7 @@ class KvRouter:
     """Selects a (worker_id, dp_rank) per request from the indexer's and slot tracker's answers.
 
     `block_size` is the model's tokens per KV block (as its workers registered). `config`: a
-    `SchedulerConfig` (default: `dynamo_lite.scheduling.ttft_config()`, the cost in predicted
+    `SchedulerConfig` (default: `dynamo_lite.routing.scheduling.ttft_config()`, the cost in predicted
     time), or a `RouterConfig` for Dynamo's cost; or pass a ready `scheduler`. `seed` makes the
     tie-breaking and sampling reproducible; `rank_infos` gives ranks' KV capacity and step budget
     when known. One instance serves all of a gateway's concurrent requests for that block size.
@@ -412,6 +413,6 @@ class KvRouter:
 
 
 # NoWorkerAvailable, AllBusy and RankCost, which `select` raises and returns, are importable from
-# here too; they are `dynamo_lite.scheduling`'s, and listed there.
+# here too; they are `dynamo_lite.routing.scheduling`'s, and listed there.
 __all__ = ["DEFAULT_SOURCES_REFRESH_SECS", "Decision", "KvRouter", "RankReadings", "RequestHandle", "RouterConfig",
            "read_ranks"]

@@ -56,11 +56,11 @@ What a server on a shared network needs, and what this one does:
   behind the code"). A lone request (c=1) is written at once.
 * **API keys.** With keys (`Service.protect`), connections are `_Keyed`: they keep each
   request's `Authorization` header, and a route that is not open answers a JSON 401/403 from
-  the head (`dynamo_lite.auth`), its body read and dropped as after any early answer. Without
+  the head (`dynamo_lite.web.auth`), its body read and dropped as after any early answer. Without
   keys no request runs any of it.
-* **TLS.** With `tls` the listener speaks TLS (`dynamo_lite.tls`); the handshake must finish
+* **TLS.** With `tls` the listener speaks TLS (`dynamo_lite.web.tls`); the handshake must finish
   within the head timeout, and the connection cap counts connections once it has. Certificates
-  and key files are read again on SIGHUP and on change (`dynamo_lite.reloading`).
+  and key files are read again on SIGHUP and on change (`dynamo_lite.web.reloading`).
 * **Shutdown.** On SIGTERM/SIGINT the listener closes, idle connections close, requests in
   flight are answered and streams finish (up to `GRACEFUL_SHUTDOWN_SECS`, after which the
   connections left are aborted and their streams closed), then the app's lifespan shutdown runs
@@ -846,8 +846,8 @@ async def serve_app(
     tls: ReloadingContext | None = None, reloadables: Sequence[Reloadable] = (),
 ) -> None:
     """Start the app (its lifespan's start-up), listen until SIGINT/SIGTERM, drain, shut down.
-    With `tls`, connections are TLS (see `dynamo_lite.tls`). `tls` and `reloadables` (API key
-    files) are read again on SIGHUP and when their files change (`dynamo_lite.reloading`)."""
+    With `tls`, connections are TLS (see `dynamo_lite.web.tls`). `tls` and `reloadables` (API key
+    files) are read again on SIGHUP and when their files change (`dynamo_lite.web.reloading`)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -7,8 +7,9 @@ from typing import Any
 
 import msgspec
 
+from dynamo_lite.slot_tracker.protocols import PotentialLoad
+
 from ._client_base import _Typed
-from .slot_tracker.protocols import PotentialLoad
 
 
 class Overlap(msgspec.Struct, frozen=True):

@@ -11,7 +11,7 @@ apply, and its owner closes it), `api_key=` (sent as `Authorization: Bearer KEY`
 started with `--api-key`; default: `DYNAMO_LITE_API_KEY`, `""` sends none), for https:// URLs
 `verify=` (True, a CA bundle path or an `ssl.SSLContext`) and `cert=` (a client certificate for
 mutual TLS) as httpx takes them, or one `credentials=ClientCredentials(...)` for those three.
-The async clients also take `lean=True`: the lean HTTP/1.1 transport (`dynamo_lite.lean_http`:
+The async clients also take `lean=True`: the lean HTTP/1.1 transport (`dynamo_lite.client.lean_http`:
 plain http only, a tenth of httpx's CPU per call, one call in flight per pooled connection).
 
 Errors, like httpx's: every failed call raises a `ServiceCallError`, as one of
@@ -51,6 +51,9 @@ The selection service's too: `SelectedWorker` with its `Overlap` (`select()`,
 
 from __future__ import annotations
 
+from dynamo_lite.slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
+from dynamo_lite.web.credentials import ClientCredentials
+
 from ._async_client import AsyncIndexerClient, AsyncSelectClient, AsyncSlotTrackerClient
 from ._client_base import (
     DEFAULT_TENANT,
@@ -78,8 +81,6 @@ from ._select_types import (
     WorkerRecord,
 )
 from ._sync_client import IndexerClient, SelectClient, SlotTrackerClient
-from .credentials import ClientCredentials
-from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
 
 __all__ = [
     "AsyncSlotTrackerClient",

@@ -17,11 +17,12 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from ._async_client import AsyncIndexerClient, AsyncSlotTrackerClient
-from ._client_base import IndexerWorker, ServiceCallError, ServiceStatusError, TransportError
+from dynamo_lite.client._async_client import AsyncIndexerClient, AsyncSlotTrackerClient
+from dynamo_lite.client._client_base import IndexerWorker, ServiceCallError, ServiceStatusError, TransportError
+
 from .reconcile import Registry
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynamo_lite.registrar")  # its name from before the move: log filters use it
 
 DEFAULT_CONCURRENCY = 16
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dynamo_lite.cli import non_negative_float, non_negative_int
+from dynamo_lite.web.cli import non_negative_float, non_negative_int
 
 from .config import COSTS, SchedulerConfig, SchedulerConfigError, load_config, preset
 

@@ -15,8 +15,8 @@ import httpx
 import msgspec
 import orjson
 
-from .credentials import Cert, ClientCredentials, Verify, client_credentials
-from .slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
+from dynamo_lite.slot_tracker.protocols import PotentialLoad, RankLoad, WorkerInfo
+from dynamo_lite.web.credentials import Cert, ClientCredentials, Verify, client_credentials
 
 DEFAULT_TIMEOUT_SECS = 5.0
 """Seconds a client waits for each call (connect, read, write) unless told otherwise."""

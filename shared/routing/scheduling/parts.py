@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dynamo_lite.timing import TimingModel
+from dynamo_lite.base.timing import TimingModel
 
 from .learning import decode_factor
 from .model import RankCost, RankInfo, RankState

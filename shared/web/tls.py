@@ -6,7 +6,7 @@ With `--ssl-ca-certs` every client must present a certificate that CA signed (mu
 Rotation: the listener's context never changes; its `sni_callback`, which OpenSSL calls for
 every handshake (with or without a server name), hands the connection the newest context. A new
 context is built from the files on SIGHUP and when their modification time or size changes
-(`dynamo_lite.reloading`); a context that cannot be built (a key that does not match, a file
+(`dynamo_lite.web.reloading`); a context that cannot be built (a key that does not match, a file
 half written) is logged and the previous one stays in use. Connections already open keep the
 certificate they were made with.
 """

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from dynamo_lite.timing import TimingModel
+from dynamo_lite.base.timing import TimingModel
 
 from .parts import SCORERS, BusyThresholds
 

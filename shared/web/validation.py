@@ -14,8 +14,8 @@ from typing import Annotated, Any, ClassVar, Final, TypeVar
 import msgspec
 import orjson
 
-from .errors import InvalidArgument, InvalidShape, MalformedRequest
-from .integers import I64_MAX, I64_MIN, U32_MAX, U64_MAX
+from dynamo_lite.base.errors import InvalidArgument, InvalidShape, MalformedRequest
+from dynamo_lite.base.integers import I64_MAX, I64_MIN, U32_MAX, U64_MAX
 
 _MISSING: Final = object()
 

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynamo_lite.reconcile")  # its name from before the move: log filters use it
 
 
 class Unit(Protocol):

@@ -238,7 +238,7 @@ def add_recovery_arguments(
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--api-key` and friends (see `dynamo_lite.auth` and docs/security.md)."""
+    """`--api-key` and friends (see `dynamo_lite.web.auth` and docs/security.md)."""
     group = parser.add_argument_group(
         "API keys", "without a key every route is open, as in Dynamo; with one, every route but /health and "
         "/ready needs `Authorization: Bearer KEY` (401 otherwise)"
@@ -387,7 +387,7 @@ def raise_open_file_limit() -> int:
 
 
 def serve(app: Service, args: argparse.Namespace, *, gc_thresholds: GcThresholds = DEFAULT_GC_THRESHOLDS) -> None:
-    """Run until SIGINT/SIGTERM on the native server (`dynamo_lite.server`): it stops accepting,
+    """Run until SIGINT/SIGTERM on the native server (`dynamo_lite.web.server`): it stops accepting,
     answers the requests in flight (up to 10 s), then runs the app's lifespan shutdown (the
     indexer's final snapshot) and returns, so the process exits with status 0."""
     access_log = AccessLog(args.trace_id_header) if args.access_log else None

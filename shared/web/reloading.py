@@ -1,4 +1,4 @@
-"""Files a running service reads again without a restart: its TLS certificate (`dynamo_lite.tls`)
+"""Files a running service reads again without a restart: its TLS certificate (`dynamo_lite.web.tls`)
 and its API key files (`KeyFiles`), on SIGHUP and when one of them changes (checked every
 `POLL_SECS`). A set of files that cannot be used is logged and the previous one stays in force:
 a rotation half done never locks clients out or stops the service.

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from .credentials import ClientCredentials
-from .errors import ServiceError
+from dynamo_lite.base.errors import ServiceError
+from dynamo_lite.web.credentials import ClientCredentials
 
 logger = logging.getLogger("dynamo_lite.peers")
 

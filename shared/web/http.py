@@ -36,13 +36,14 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from .auth import Access, ApiKeys, ApiKeysCollector
-from .errors import (
+from dynamo_lite.base.errors import (
     MalformedRequest,
     PayloadTooLarge,
     ServiceError,
     UnsupportedMediaType,
 )
+
+from .auth import Access, ApiKeys, ApiKeysCollector
 from .logs import AccessLog
 from .metrics import DISCONNECTED, UNMATCHED_ROUTE, RequestMetrics, RouteSeries, new_registry
 from .validation import RequestBody, decode_json, decoder
@@ -268,7 +269,7 @@ def failure_answer(exc: BaseException) -> Answer:
 class DirectEndpoint(abc.ABC):
     """An endpoint that answers every request itself, failures included, synchronously.
 
-    `respond(query_string, body)` is the whole request: the native server (`dynamo_lite.server`)
+    `respond(query_string, body)` is the whole request: the native server (`dynamo_lite.web.server`)
     calls it straight from its protocol callbacks; `__call__` is the same endpoint for ASGI
     servers and the test client. A non-zero `max_body` means the route takes a JSON body of at
     most that many bytes, which the transport reads and bounds before `respond` sees it.
@@ -722,7 +723,7 @@ def _path_routes(path: str, routes: list[Route], series: RouteSeries) -> PathRou
 
 
 def route_access(entry: RouteEntry, public_metrics: bool) -> Access:
-    """The level a request's key must reach to call `entry` (see `dynamo_lite.auth`)."""
+    """The level a request's key must reach to call `entry` (see `dynamo_lite.web.auth`)."""
     endpoint = entry.endpoint
     if type(endpoint) is MetricsEndpoint:
         return Access.OPEN if public_metrics else Access.READ
@@ -737,7 +738,7 @@ class Service(Starlette):
     Paths match exactly (as in Dynamo: `/health/` is a 404); a path that is no route is a JSON
     404, a known path with another method a JSON 405 with `Allow`. Starlette runs the lifespan
     and keeps `state`; no request goes through its middleware or router. The native server
-    (`dynamo_lite.server`) routes with the same table (`endpoint`) and calls the same endpoints.
+    (`dynamo_lite.web.server`) routes with the same table (`endpoint`) and calls the same endpoints.
 
     Beside the given routes it serves `/ready` and `/metrics`. `state.ready` turns true when
     the lifespan's start-up part (everything before its `yield`: recovery, loading) has
