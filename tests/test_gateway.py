@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from support.envoy_support import ROOT, SUBSET_LUA, envoy_process, lua_filter
-from support.gateway_stack import MODEL, gateway_stack
+from support.gateway_stack import BLOCK, MODEL, gateway_stack
 
 from dynamo_lite.stack import Stack, envoy_binary
 
@@ -93,6 +93,34 @@ def test_streamed_answers_arrive_intact(gateway: Stack) -> None:
     direct = openai.OpenAI(base_url=gateway.engines[0].url + "/v1", api_key="unused", max_retries=0)
     whole = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=200)
     assert text == whole.choices[0].message.content and len(text.split()) == 200
+
+
+def test_output_blocks_stop_weighing_once_the_answer_reaches_its_expected_length(gateway: Stack) -> None:
+    """`nvext.agent_hints.osl` reaches the slot tracker's `/add`: while the answer streams past
+    the expected length, its output blocks weigh nothing in its rank's decode load (each weighs
+    1 at first, falling linearly to 0 at `osl`; docs/slot-tracker.md)."""
+    prompt = list(range(700, 700 + 4 * BLOCK))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8000, "stream": True,
+            "nvext": {"agent_hints": {"osl": 4 * BLOCK}}}
+    past_osl = []
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as answer:
+        assert answer.status_code == 200
+        lines = answer.iter_lines()
+        deadline = time.monotonic() + 10
+        while not past_osl:
+            assert time.monotonic() < deadline, "the booking never showed its output past osl"
+            next(lines)
+            (booked,) = [request for partition in httpx.get(gateway.slot_tracker + "/dump").json()["partitions"]
+                         for request in partition["requests"]]
+            assert booked["expected_output_tokens"] == 4 * BLOCK
+            if booked["output_blocks"] >= 4:  # the answer is past osl, and stays past it
+                loads = httpx.get(gateway.slot_tracker + "/loads", params={"model_name": MODEL}).json()
+                past_osl.append({row["worker_id"]: row["active_decode_blocks"] for row in loads})
+        for _ in lines:
+            pass
+    # Only the prompt's 4 blocks weigh on the rank, however many output blocks it holds.
+    assert sorted(past_osl[0].values()) == [0] * (len(gateway.engines) - 1) + [4]
+    gateway.wait_idle()
 
 
 def test_a_streamed_answer_through_curl_is_byte_for_byte_the_engines(gateway: Stack) -> None:
