@@ -117,14 +117,23 @@ class SlotTrackerWorkflow(slot_tracker_schema.as_state_machine()):  # type: igno
             (row["model_name"], row["tenant_id"], row["worker_id"], row["dp_rank"]): row["active_decode_blocks"]
             for row in _ok(self.client.get("/loads"))
         }
-        block_sizes = {(w["model_name"], w["tenant_id"]): w["block_size"] for w in _ok(self.client.get("/workers"))}
+        workers = _ok(self.client.get("/workers"))
+        block_sizes = {(w["model_name"], w["tenant_id"]): w["block_size"] for w in workers}
+        # A prefill worker's ranks hold no blocks at all: no active blocks, no output blocks.
+        prefill = {(w["model_name"], w["tenant_id"], w["worker_id"]) for w in workers if w.get("role") == "prefill"}
         held: Counter[tuple[str, str, int, int]] = Counter()
         for (model_name, tenant_id, _), (worker_id, dp_rank, count, expected) in self.active.items():
+            if (model_name, tenant_id, worker_id) in prefill:
+                continue
             if expected is not None:  # what the decay leaves of the count
                 count = decayed_output(count, block_sizes[(model_name, tenant_id)], expected)
             held[(model_name, tenant_id, worker_id, dp_rank)] += count
         for rank, count in held.items():
             assert decode_blocks[rank] >= count, (rank, decode_blocks[rank], count)
+        for rank, blocks in decode_blocks.items():
+            if rank[:3] in prefill:
+                slot_tracker_stats.notes["prefill workers' ranks checked"] += 1
+                assert blocks == 0, (rank, blocks)
         for model_name, tenant_id, request_id in sorted(self.added):
             body = {"model_name": model_name, "tenant_id": tenant_id, "request_id": request_id}
             _ok(self.client.post("/free", json=body), 200, 404)  # 404: its tracker is gone
