@@ -44,10 +44,16 @@ class PrefillHealth:
     async def run(self) -> None:
         try:
             while True:
-                await self.probe_once()
+                try:
+                    await self.probe_once()
+                except Exception:  # noqa: BLE001 - a round that fails must not end the probing for good
+                    logger.exception("prefill endpoints not probed this round")
                 await asyncio.sleep(self.interval)
         finally:
-            await self._client.aclose()
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
 
     async def probe_once(self) -> None:
         addresses = sorted({endpoint.address for endpoint in self.pool() if endpoint.role == PREFILL})
@@ -64,7 +70,7 @@ class PrefillHealth:
     async def _probe(self, address: str) -> tuple[bool, str]:
         try:
             answer = await self._client.get(f"http://{address}/health")
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             return False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return answer.status_code == 200, f"/health answered {answer.status_code}"
 
